@@ -1,0 +1,52 @@
+"""Page states of one tier slot, and the only transitions allowed between them.
+
+Owns the state machine; every state change in the index goes through `check_transition`.
+It must never know which tier or engine is involved.
+
+FREE        no page; in the free list.
+FILLING     handed to the engine by allocate (or given a private copy); not keyed.
+LOADING     bytes of a keyed page are landing from another tier.
+RESIDENT    keyed, readable, and the tier below holds it too (or there is no tier below).
+DIRTY       keyed, readable, and the tier below does not hold it.
+OFFLOADING  keyed, readable, being copied to the tier below.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class PageState(IntEnum):
+    FREE = 0
+    FILLING = 1
+    LOADING = 2
+    RESIDENT = 3
+    DIRTY = 4
+    OFFLOADING = 5
+
+
+S = PageState
+ALLOWED: dict[PageState, frozenset[PageState]] = {
+    S.FREE: frozenset({S.FILLING, S.LOADING}),
+    # FILLING -> LOADING: a slot the engine allocated receives a page from another tier.
+    S.FILLING: frozenset({S.FREE, S.RESIDENT, S.DIRTY, S.LOADING}),
+    # A load that fails frees the slot; a landed copy is clean or dirty w.r.t. the tier below.
+    S.LOADING: frozenset({S.FREE, S.RESIDENT, S.DIRTY}),
+    # RESIDENT -> DIRTY when the tier below evicts its copy.
+    S.RESIDENT: frozenset({S.FREE, S.DIRTY}),
+    # DIRTY -> FREE is a deliberate drop (write_through_selective), never under write_back.
+    S.DIRTY: frozenset({S.OFFLOADING, S.RESIDENT, S.FREE}),
+    S.OFFLOADING: frozenset({S.RESIDENT, S.DIRTY}),
+}
+READABLE = frozenset({S.RESIDENT, S.DIRTY, S.OFFLOADING})
+KEYED = frozenset({S.LOADING, S.RESIDENT, S.DIRTY, S.OFFLOADING})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check_transition(tier: str, slot: int, old: PageState, new: PageState) -> None:
+    if new not in ALLOWED[old]:
+        allowed = ", ".join(s.name for s in sorted(ALLOWED[old])) or "none"
+        raise IllegalTransition(f"{tier} slot {slot}: {old.name} -> {new.name} is illegal (from {old.name}: {allowed})")

@@ -1,0 +1,68 @@
+"""Host tier memory: page records in (pinned, on CUDA machines) host memory.
+
+Owns one uint8 buffer of `num_pages` records of `fmt.page_bytes` each, laid out as
+kvtier.format.page_format describes: a record holds all layers' data and its scale block,
+so one contiguous copy moves a page with its scales. On CUDA machines the buffer is an
+anonymous mmap pinned with cudaHostRegister: torch's pinned allocator rounds sizes up to
+a power of two, which would waste up to half of a large host tier.
+It must never track which page is in which slot: that is the index's job.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from kvtier.format import PageFormat
+
+
+class HostTier:
+    def __init__(self, fmt: PageFormat, num_pages: int, pin: bool | None = None) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"host_pages must be a positive int, got {num_pages!r}")
+        self.fmt = fmt
+        self.num_pages = num_pages
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        if self.pinned and not torch.cuda.is_available():
+            raise ValueError("host tier pin=True needs CUDA; this machine has none")
+        nbytes = num_pages * fmt.page_bytes
+        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_pages, fmt.page_bytes)
+        if self.pinned:
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {int(err)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def page(self, slot: int) -> torch.Tensor:
+        """The whole record of one slot as a 1-D uint8 tensor (for the remote tier)."""
+        return self.buffer[slot]
+
+    def raw_plane(self, layer: int, plane: int) -> torch.Tensor:
+        """(num_pages, plane bytes without padding) uint8 view of one layer's plane data."""
+        off = self.fmt.data_offset(layer, plane)
+        return self.buffer[:, off : off + self.fmt.plane_elems * self.fmt.elem_bytes]
+
+    def data_view(self, layer: int, plane: int) -> torch.Tensor:
+        """(num_pages, *plane_shape) view of one layer's plane in the storage dtype."""
+        return self.raw_plane(layer, plane).view(self.fmt.torch_dtype).view(self.num_pages, *self.fmt.plane_shape)
+
+    def scale_view(self, layer: int, plane: int) -> torch.Tensor | None:
+        """(num_pages, *scale_shape) fp32 view of one layer's plane scales (None without scales)."""
+        if not self.fmt.has_scales:
+            return None
+        off = self.fmt.scale_offset(layer, plane)
+        raw = self.buffer[:, off : off + self.fmt.plane_scale_bytes]
+        return raw.view(torch.float32).view(self.num_pages, *self.fmt.scale_shape)
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer = None
+        self._mmap = None  # the mapping is unmapped when the last view is collected

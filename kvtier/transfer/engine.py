@@ -1,0 +1,93 @@
+"""The contract between the pool and whatever moves page bytes between tiers.
+
+Owns the `TransferEngine` interface and the `Ticket` a submitted copy returns. An engine
+moves bytes between a `DeviceTier` and a `HostTier` (kvtier.tiers) and converts dtypes on
+the way (quantize on offload, upcast on reload) when the page format says so. It must never
+decide which pages move: the pool decides, the engine only copies what it is told.
+
+Ordering rules every engine keeps:
+- `offload` starts reading device slots only after `ready` (an event recorded after the
+  kernel that wrote them) has completed.
+- `reload` records one completion per layer; `Ticket.wait_layer(i)` orders the caller's
+  current stream after layer i only.
+- The pool reuses a source or destination slot only after `Ticket.done()` says the copy
+  finished; engines never hold slots past that.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+# A user transform run over landed pages: (layer, plane, the device tier's whole
+# (num_pages, *plane_shape) tensor of that layer and plane, int64 slots that just landed)
+# -> None, editing those slots in place. It runs on the reload stream after the layer's
+# bytes have landed and before the layer's readiness is signalled.
+ReloadTransform = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+
+
+class Ticket(ABC):
+    """One submitted copy. Cheap to poll; waiting is explicit."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once every byte of the copy has landed (never blocks)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the copy has landed."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Order the caller's current stream after the whole copy (CPU: block until done)."""
+
+    @abstractmethod
+    def wait_layer(self, layer: int) -> None:
+        """Order the caller's current stream after layer `layer` of the copy only."""
+
+
+class DoneTicket(Ticket):
+    """A copy that already finished when it was submitted (the synchronous CPU twin)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+
+
+class TransferEngine(ABC):
+    """Moves whole pages between the device tier and the host tier."""
+
+    name = "abstract"
+
+    @abstractmethod
+    def offload(self, device_slots: list[int], host_slots: list[int], ready=None) -> Ticket:
+        """Copy device pages into host records (quantizing when the format converts)."""
+
+    @abstractmethod
+    def reload(self, host_slots: list[int], device_slots: list[int]) -> Ticket:
+        """Copy host records into device pages layer by layer (upcasting when it converts)."""
+
+    @abstractmethod
+    def device_copy(self, src_slots: list[int], dst_slots: list[int]) -> Ticket:
+        """Copy device pages to other device slots (all layers, planes and scales)."""
+
+    def record_ready(self):
+        """An event after the work queued so far on the caller's stream (None on the CPU)."""
+        return None
+
+    def close(self) -> None:
+        """Release streams and staging memory."""

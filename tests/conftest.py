@@ -1,0 +1,69 @@
+"""Shared helpers: random page contents and exact snapshots of device pages."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvtier import PageFormat
+
+DTYPE_SCALES = [
+    ("bf16", "none"),
+    ("fp16", "none"),
+    ("fp8_e4m3", "per_tensor"),
+    ("fp8_e4m3", "per_page_head"),
+    ("fp8_e4m3", "per_token_head"),
+    ("fp8_e5m2", "per_tensor"),
+    ("fp8_e5m2", "per_page_head"),
+    ("fp8_e5m2", "per_token_head"),
+]
+
+
+def small_format(dtype="fp8_e4m3", scale="per_page_head", **kw) -> PageFormat:
+    base = dict(num_layers=3, num_kv_heads=2, head_dim=32, page_size=8, dtype=dtype, scale=scale)
+    base.update(kw)
+    return PageFormat(**base)
+
+
+def fill_random(pool, slots, gen: torch.Generator) -> None:
+    """Write random pages (and positive random scales) into device `slots`, as an engine would."""
+    dev = pool.device_tier
+    idx = torch.as_tensor(slots, dtype=torch.int64)
+    shape = (len(slots), *pool.fmt.plane_shape)
+    for layer, plane in itertools.product(range(pool.fmt.num_layers), range(pool.fmt.planes)):
+        values = torch.randn(shape, generator=gen) * 4
+        raw = values.to(dev.kv.dtype).view(len(slots), -1).view(torch.uint8)
+        dev.raw_plane(layer, plane).index_copy_(0, idx, raw)
+        if dev.scales is not None:
+            scales = torch.rand((len(slots), *pool.fmt.scale_shape), generator=gen) + 0.01
+            dev.scales[layer, plane].index_copy_(0, idx, scales)
+
+
+def snapshot(pool, slot: int) -> tuple[bytes, bytes]:
+    """Exact bytes of one device page: data of every layer and plane, and its scales."""
+    dev = pool.device_tier
+    data = dev.kv[:, :, slot].contiguous().view(torch.uint8).numpy().tobytes()
+    scales = b"" if dev.scales is None else dev.scales[:, :, slot].contiguous().numpy().tobytes()
+    return data, scales
+
+
+def poison(pool, slots) -> None:
+    """Fill device slots with 0xFF bytes (NaN in every float dtype) before a copy lands."""
+    dev = pool.device_tier
+    for slot in slots:
+        dev.kv[:, :, slot].view(torch.uint8).fill_(0xFF)
+        if dev.scales is not None:
+            dev.scales[:, :, slot] = float("nan")
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
