@@ -13,6 +13,7 @@ stays in the host tier, so evicting it from the device again costs nothing.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -21,9 +22,11 @@ from prometheus_client import REGISTRY
 
 from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
+from kvtier.index.states import READABLE
 from kvtier.metrics import Counters, PoolCollector, next_pool_name
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
+from kvtier.transfer.remote_mover import RemoteMover
 
 S = PageState
 
@@ -54,6 +57,7 @@ class LoadHandle:
     def __init__(self, tickets: list[Ticket], num_layers: int) -> None:
         self._tickets = tickets
         self.num_layers = num_layers
+        self.slots: list[int] = []  # device slot of each key, in key order
 
     def done(self) -> bool:
         return all(t.done() for t in self._tickets)
@@ -73,7 +77,9 @@ class LoadHandle:
             t.synchronize()
 
 
-def _make_engine(kind: str, device_tier: DeviceTier, host_tier: HostTier, transform):
+def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform):
+    if callable(kind):
+        return kind(device_tier, host_tier)
     if kind == "auto":
         kind = "cuda" if device_tier.device.type == "cuda" else "torch"
     if kind == "torch":
@@ -86,6 +92,12 @@ def _make_engine(kind: str, device_tier: DeviceTier, host_tier: HostTier, transf
 
 
 class TieredPool:
+    """Pages of one model, one page format and one rank, across device, host (and remote) tiers.
+
+    engine: "auto" (CUDA engine on a CUDA device, torch twin elsewhere), "torch", "cuda",
+    or a callable (device_tier, host_tier) -> TransferEngine.
+    """
+
     def __init__(
         self,
         fmt: PageFormat,
@@ -94,12 +106,15 @@ class TieredPool:
         host_pages: int = 4096,
         write_policy: str = "write_through",
         eviction: str = "lru",
-        engine: str = "auto",
+        engine="auto",
         model: str = "default",
         rank: int = 0,
         transform: ReloadTransform | None = None,
         registry=REGISTRY,
         name: str | None = None,
+        remote=None,
+        remote_capacity_bytes: int | None = None,
+        remote_queue_depth: int = 64,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
@@ -118,6 +133,20 @@ class TieredPool:
         self.counters = Counters()
         self._registry = registry
         self._collector = PoolCollector(self)
+        self.remote = None
+        self._mover = None
+        if remote is not None:
+            if isinstance(remote, (str, os.PathLike)):
+                from kvtier.tiers.remote import RemoteStore
+
+                remote = RemoteStore(
+                    os.fspath(remote),
+                    namespace=self.namespace.digest,
+                    page_bytes=fmt.page_bytes,
+                    capacity_bytes=remote_capacity_bytes,
+                )
+            self.remote = remote
+            self._mover = RemoteMover(remote, fmt.num_layers, remote_queue_depth)
         if registry is not None:
             registry.register(self._collector)
         self._closed = False
@@ -195,22 +224,24 @@ class TieredPool:
                         f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
                     )
             self._ready = self.engine.record_ready()
-            duplicates_before = self.counters.duplicate_commits
-            dirty = []
-            table = dev.table
+            table, htable = dev.table, host.table
+            fresh_keys, fresh_slots = [], []
             for key, slot in zip(keys, slots):
                 if key in table:
-                    self.counters.duplicate_commits += 1
                     continue
-                dev.bind(slot, key)
-                if host.readable_slot(key) is not None:
-                    dev.set_state(slot, S.RESIDENT)
-                else:
-                    dev.set_state(slot, S.DIRTY)
-                    dirty.append(slot)
+                fresh_keys.append(key)
+                fresh_slots.append(slot)
+            if len(set(fresh_keys)) != len(fresh_keys):
+                raise ValueError("commit: keys must not repeat within one call")
+            self.counters.duplicate_commits += len(keys) - len(fresh_keys)
+            dev.bind_all(fresh_slots, fresh_keys)
+            clean = [s for k, s in zip(fresh_keys, fresh_slots) if k in htable and host.readable_slot(k) is not None]
+            dirty = [s for k, s in zip(fresh_keys, fresh_slots) if k not in htable or host.readable_slot(k) is None]
+            dev.set_states(clean, S.RESIDENT)
+            dev.set_states(dirty, S.DIRTY)
             if dirty and self.write_policy.copy_on_commit():
                 self._copy_down(dirty, evicting=False)
-            return len(slots) - (self.counters.duplicate_commits - duplicates_before)
+            return len(fresh_keys)
 
     def match(self, keys) -> MatchResult:
         """Longest leading prefix of `keys` per tier; counts hits for the write policy."""
@@ -232,55 +263,118 @@ class TieredPool:
                 touched.append(slot)
             for key in keys[:h]:
                 host.touch(htable[key])
+            remote = 0
+            if self._mover and total < len(keys):
+                rest = keys[total:]
+                try:
+                    remote = self._mover.call(lambda store: store.exists(rest))
+                except Exception:  # a failing remote tier is a miss, never an error for the engine
+                    self.counters.remote_failures["read"] += len(rest)
+                total += remote
             c = self.counters
             c.hits["device"] += d
             c.misses["device"] += len(keys) - d
             c.hits["host"] += h
             c.misses["host"] += len(keys) - h
+            if self._mover:
+                c.hits["remote"] += remote
+                c.misses["remote"] += len(keys) - total
             self._copy_popular(touched)
-            return MatchResult(device=d, host=h, remote=0, total=total)
+            self._backup_popular([htable[k] for k in keys[:h]])
+            return MatchResult(device=d, host=h, remote=remote, total=total)
 
-    def load(self, keys, slots) -> LoadHandle:
-        """Bring `keys` into device `slots` (from `allocate`) from wherever they are.
+    def load(self, keys, slots=None) -> LoadHandle:
+        """Bring `keys` to the device from wherever they are; `handle.slots` says where.
 
-        Returns at once on CUDA; wait on the handle before reading. A key that no tier
-        holds raises KeyError before any byte moves.
+        slots=None: device-resident keys are held where they are, the rest land in new
+        slots (allocated here, after the sources are secured, so allocation cannot evict
+        them). With `slots` (from `allocate`): every key is copied into its given slot.
+        Returns at once on CUDA; wait on the handle before reading. A key no tier holds
+        raises KeyError, and the call leaves the device as it found it.
         """
-        keys, slots = self._check_pairs(keys, slots)
+        keys = list(keys)
+        if slots is None:
+            if len(set(keys)) != len(keys):
+                raise ValueError("keys must not repeat within one call")
+        else:
+            keys, slots = self._check_pairs(keys, slots)
         with self._lock:
             self._check_open()
             self._reap()
             dev, host = self._dev, self._host
-            for slot in slots:
-                if dev.state[slot] != S.FILLING or dev.keys[slot] is not None or not dev.pins[slot]:
-                    raise ValueError(
-                        f"load: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
-                        f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
-                    )
-            d_src, d_dst, h_src, h_dst, missing = [], [], [], [], []
-            for key, slot in zip(keys, slots):
-                src = dev.table.get(key)
-                if src is not None:
-                    d_src.append(src)
-                    d_dst.append(slot)
-                    continue
-                src = host.readable_slot(key)
-                if src is not None:
-                    h_src.append(src)
-                    h_dst.append((key, slot))
-                    continue
-                missing.append(key)
-            if missing:
-                raise KeyError(f"load: {len(missing)} of {len(keys)} keys are in no tier; first missing: {missing[0]!r}")
-            tickets = []
-            if d_src:
-                tickets.append(self._device_copy(d_src, d_dst))
-            if h_src:
-                tickets.append(self._reload(h_src, h_dst))
-            self.counters.hits["device"] += len(d_src)
-            return LoadHandle(tickets, self.fmt.num_layers)
+            if slots is not None:
+                for slot in slots:
+                    if dev.state[slot] != S.FILLING or dev.keys[slot] is not None or not dev.pins[slot]:
+                        raise ValueError(
+                            f"load: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
+                            f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
+                        )
+            on_device, on_host, elsewhere, landing = self._classify(keys)
+            if landing:  # pages still arriving in the host tier: let them land first
+                self._drain()
+                on_device, on_host, elsewhere, landing = self._classify(keys)
+            dtable, htable = dev.table, host.table
+            host_src = [htable[keys[i]] for i in on_host]
+            dev_src = [dtable[keys[i]] for i in on_device]
+            # Secure every source before anything is allocated: allocation evicts.
+            host.hold_all(host_src)
+            dev.hold_all(dev_src)
+            try:
+                if elsewhere:
+                    fetched = self._fetch_remote([keys[i] for i in elsewhere]) if self._mover else {}
+                    missing = [keys[i] for i in elsewhere if keys[i] not in fetched]
+                    if missing:
+                        host.unhold_all(fetched.values())
+                        raise KeyError(
+                            f"load: {len(missing)} of {len(keys)} keys are in no tier; first missing: {missing[0]!r}"
+                        )
+                    on_host += elsewhere
+                    host_src += [fetched[keys[i]] for i in elsewhere]
+                if slots is None:
+                    new = self._take_device(len(on_host), S.FILLING)
+                    for slot in dev_src:
+                        dev.pin(slot)
+                        dev.touch(slot)
+                    out = [0] * len(keys)
+                    for i, slot in zip(on_device, dev_src):
+                        out[i] = slot
+                    for i, slot in zip(on_host, new):
+                        out[i] = slot
+                        dev.pin(slot)
+                    host_dst = new
+                else:
+                    out = slots
+                    host_dst = [slots[i] for i in on_host]
+                tickets = []
+                if slots is not None and on_device:
+                    tickets.append(self._device_copy(dev_src, [slots[i] for i in on_device]))
+                if on_host:
+                    tickets.append(self._reload(host_src, [(keys[i], slot) for i, slot in zip(on_host, host_dst)]))
+            finally:
+                host.unhold_all(host_src)
+                dev.unhold_all(dev_src)
+            handle = LoadHandle(tickets, self.fmt.num_layers)
+            handle.slots = out
+            return handle
 
     prefetch = load
+
+    def _classify(self, keys: list):
+        """Indexes of keys on the device, readable on the host, elsewhere, and landing in host."""
+        on_device, on_host, elsewhere, landing = [], [], [], []
+        dtable, htable, hstate = self._dev.table, self._host.table, self._host.state
+        for i, key in enumerate(keys):
+            if key in dtable:
+                on_device.append(i)
+                continue
+            src = htable.get(key)
+            if src is None:
+                elsewhere.append(i)
+            elif hstate[src] in READABLE:
+                on_host.append(i)
+            else:
+                landing.append(i)
+        return on_device, on_host, elsewhere, landing
 
     # --- eviction / flush / close --------------------------------------------------------
     def evict(self, n: int | None = None, tier: str = "device", keys=None) -> int:
@@ -328,6 +422,16 @@ class TieredPool:
         if dirty:
             self._copy_down(dirty, evicting=False)
         self._drain()
+        if self._mover:
+            host = self._host
+            keep = [
+                slot
+                for slot in range(host.capacity)
+                if host.state[slot] == S.DIRTY and self.write_policy.copy_on_evict(host.hits[slot])
+            ]
+            if keep:
+                self._backup(keep)
+            self._drain()
 
     def close(self) -> None:
         """Flush, then release memory and streams. Safe to call twice."""
@@ -337,6 +441,9 @@ class TieredPool:
             self._flush()
             self._closed = True
             self.engine.close()
+            if self._mover:
+                self._mover.close()
+                self.remote.close()
             self.host_tier.close()
             if self._registry is not None:
                 self._registry.unregister(self._collector)
@@ -426,15 +533,102 @@ class TieredPool:
 
     def _evict_host_slots(self, victims: list[int]) -> int:
         host, dev = self._host, self._dev
+        dirty = [s for s in victims if host.state[s] == S.DIRTY]
+        keep = [s for s in dirty if self.write_policy.copy_on_evict(host.hits[s])]
+        if keep:
+            self._backup(keep)
+            self._drain()
+        evicted = 0
         for slot in victims:
+            state = host.state[slot]
+            if state == S.DIRTY and slot in keep:
+                continue  # its backup failed: keeping it is the only way not to lose it
+            if state == S.DIRTY:
+                self.counters.dropped += 1
             key = host.keys[slot]
             dslot = dev.lookup(key)
             # The device copy, if any, is now the only one: it becomes dirty.
             if dslot is not None and dev.state[dslot] == S.RESIDENT:
                 dev.set_state(dslot, S.DIRTY)
             host.set_state(slot, S.FREE)
-        self.counters.evictions["host"] += len(victims)
-        return len(victims)
+            evicted += 1
+        self.counters.evictions["host"] += evicted
+        return evicted
+
+    # --- internals: remote ------------------------------------------------------------------
+    def _backup(self, host_slots: list[int]) -> None:
+        """Copy dirty host pages to the remote store in the background."""
+        host, tier = self._host, self.host_tier
+        keys = [host.keys[s] for s in host_slots]
+        buffers = [tier.page(s) for s in host_slots]
+        host.set_states(host_slots, S.OFFLOADING, busy_delta=1)
+        ticket = self._mover.submit(lambda store: store.put(keys, buffers))
+
+        def finish() -> None:
+            ok = ticket.result if ticket.error is None else [False] * len(keys)
+            good = [s for s, o in zip(host_slots, ok) if o]
+            bad = [s for s, o in zip(host_slots, ok) if not o]
+            host.set_states(good, S.RESIDENT, busy_delta=-1)
+            host.set_states(bad, S.DIRTY, busy_delta=-1)
+            self.counters.moved("host_to_remote", len(good), len(good) * self.fmt.page_bytes)
+            self.counters.remote_failures["write"] += len(bad)
+
+        self._submit(ticket, finish)
+
+    def _backup_popular(self, host_slots: list[int]) -> None:
+        """write_through_selective: back up the dirty host pages that just reached enough hits."""
+        if not self._mover:
+            return
+        host = self._host
+        ready = [s for s in host_slots if host.state[s] == S.DIRTY and self.write_policy.copy_on_hit(host.hits[s])]
+        if ready:
+            self._backup(ready)
+
+    def _fetch_remote(self, keys: list, wait: bool = True):
+        """Bring remote pages into host slots.
+
+        wait=True: returns {key: host slot} of the pages that arrived, each slot held
+        (busy) for the caller to release. wait=False: returns the ticket at once; the
+        pages become readable when the pool reaps it.
+        """
+        host, tier = self._host, self.host_tier
+        slots = self._take_host(len(keys))
+        keys = keys[: len(slots)]
+        host.bind_all(slots, keys)
+        host.hold_all(slots)
+        buffers = [tier.page(s) for s in slots]
+        ticket = self._mover.submit(lambda store: store.get(keys, buffers))
+        arrived = {}
+
+        def finish() -> None:
+            ok = ticket.result if ticket.error is None else [False] * len(keys)
+            good = [s for s, o in zip(slots, ok) if o]
+            arrived.update((host.keys[s], s) for s in good)
+            host.set_states(good, S.RESIDENT, busy_delta=-1)
+            host.set_states([s for s, o in zip(slots, ok) if not o], S.FREE, busy_delta=-1)
+            if ticket.error is not None:
+                self.counters.remote_failures["read"] += len(keys)
+            self.counters.moved("remote_to_host", len(good), len(good) * self.fmt.page_bytes)
+
+        if not wait:
+            self._submit(ticket, finish)
+            return ticket
+        ticket.synchronize()
+        finish()
+        host.hold_all(arrived.values())
+        return arrived
+
+    def prefetch_to_host(self, keys) -> Ticket | None:
+        """Start bringing the remote-only pages among `keys` into the host tier on the remote
+        worker; returns its ticket at once (None when nothing needs fetching)."""
+        keys = list(keys)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            if not self._mover:
+                return None
+            wanted = [k for k in keys if k not in self._dev.table and k not in self._host.table]
+            return self._fetch_remote(wanted, wait=False) if wanted else None
 
     # --- internals: copies -----------------------------------------------------------------
     def _copy_down(self, dev_slots: list[int], evicting: bool) -> list[int]:
@@ -445,20 +639,17 @@ class TieredPool:
         moving = dev_slots[: len(host_slots)]
         if not moving:
             return []
-        for dslot, hslot in zip(moving, host_slots):
-            host.bind(hslot, dev.keys[dslot])
-            dev.set_state(dslot, S.OFFLOADING)
-            dev.hold(dslot)
-            host.hold(hslot)
+        host.bind_all(host_slots, [dev.keys[slot] for slot in moving])
+        dev.set_states(moving, S.OFFLOADING, busy_delta=1)
+        host.hold_all(host_slots)
         ticket = self.engine.offload(moving, host_slots, ready=self._ready)
 
         def finish() -> None:
-            for dslot, hslot in zip(moving, host_slots):
-                dev.set_state(dslot, S.RESIDENT)
-                dev.unhold(dslot)
-                host.set_state(hslot, S.RESIDENT)
-                host.unhold(hslot)
+            dev.set_states(moving, S.RESIDENT, busy_delta=-1)
+            host.set_states(host_slots, S.DIRTY if self._mover else S.RESIDENT, busy_delta=-1)
             self.counters.moved("device_to_host", len(moving), len(moving) * self.fmt.page_bytes)
+            if self._mover and self.write_policy.copy_on_commit():
+                self._backup(host_slots)
 
         self._submit(ticket, finish)
         if evicting:
@@ -475,19 +666,14 @@ class TieredPool:
     def _reload(self, host_slots: list[int], targets: list[tuple]) -> Ticket:
         dev, host = self._dev, self._host
         dev_slots = [slot for _, slot in targets]
-        for (key, dslot), hslot in zip(targets, host_slots):
-            dev.set_state(dslot, S.LOADING)
-            dev.bind(dslot, key)
-            dev.hold(dslot)
-            host.hold(hslot)
-            host.touch(hslot)
+        dev.set_states(dev_slots, S.LOADING, busy_delta=1)
+        dev.bind_all(dev_slots, [key for key, _ in targets])
+        host.hold_all(host_slots, touch=True)
         ticket = self.engine.reload(host_slots, dev_slots)
 
         def finish() -> None:
-            for dslot, hslot in zip(dev_slots, host_slots):
-                dev.set_state(dslot, S.RESIDENT)
-                dev.unhold(dslot)
-                host.unhold(hslot)
+            dev.set_states(dev_slots, S.RESIDENT, busy_delta=-1)
+            host.unhold_all(host_slots)
             self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
 
         self._submit(ticket, finish)
@@ -495,16 +681,13 @@ class TieredPool:
 
     def _device_copy(self, src: list[int], dst: list[int]) -> Ticket:
         dev = self._dev
-        for s, d in zip(src, dst):
-            dev.hold(s)
-            dev.hold(d)
-            dev.touch(s)
+        dev.hold_all(src, touch=True)
+        dev.hold_all(dst)
         ticket = self.engine.device_copy(src, dst)
 
         def finish() -> None:
-            for s, d in zip(src, dst):
-                dev.unhold(s)
-                dev.unhold(d)
+            dev.unhold_all(src)
+            dev.unhold_all(dst)
             self.counters.moved("device_to_device", len(src), len(src) * self.fmt.page_bytes)
 
         self._submit(ticket, finish)
@@ -519,19 +702,19 @@ class TieredPool:
     def _reap(self) -> None:
         if not self._inflight:
             return
-        still = []
-        for ticket, finish in self._inflight:
+        inflight, self._inflight = self._inflight, []
+        for ticket, finish in inflight:
             if ticket.done():
                 finish()
             else:
-                still.append((ticket, finish))
-        self._inflight = still
+                self._inflight.append((ticket, finish))
 
     def _drain(self) -> None:
-        inflight, self._inflight = self._inflight, []
-        for ticket, finish in inflight:
-            ticket.synchronize()
-            finish()
+        while self._inflight:
+            inflight, self._inflight = self._inflight, []
+            for ticket, finish in inflight:
+                ticket.synchronize()
+                finish()
 
     # --- input checks ----------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -38,6 +38,8 @@ ALLOWED: dict[PageState, frozenset[PageState]] = {
     S.DIRTY: frozenset({S.OFFLOADING, S.RESIDENT, S.FREE}),
     S.OFFLOADING: frozenset({S.RESIDENT, S.DIRTY}),
 }
+# ALLOWED as a matrix, for the hot path: LEGAL[old][new].
+LEGAL = [[new in ALLOWED[old] for new in PageState] for old in PageState]
 READABLE = frozenset({S.RESIDENT, S.DIRTY, S.OFFLOADING})
 KEYED = frozenset({S.LOADING, S.RESIDENT, S.DIRTY, S.OFFLOADING})
 

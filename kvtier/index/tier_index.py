@@ -9,9 +9,10 @@ the pool serializes calls.
 from __future__ import annotations
 
 from kvtier.index.eviction import EvictionPolicy
-from kvtier.index.states import KEYED, PageState, check_transition
+from kvtier.index.states import KEYED, LEGAL, PageState, check_transition
 
 _EVICTABLE = (PageState.RESIDENT, PageState.DIRTY)
+_IS_EVICTABLE = [s in _EVICTABLE for s in PageState]
 
 
 class TierIndex:
@@ -31,19 +32,40 @@ class TierIndex:
 
     # --- state ---------------------------------------------------------------------------
     def set_state(self, slot: int, new: PageState) -> None:
-        old = self.state[slot]
-        check_transition(self.name, slot, old, new)
-        self.state[slot] = new
-        self.counts[old] -= 1
-        self.counts[new] += 1
-        if new == PageState.FREE:
-            key = self.keys[slot]
-            if key is not None:
-                del self.table[key]
-                self.keys[slot] = None
-            self.hits[slot] = 0
-            self.free.append(slot)
-        self._refresh(slot)
+        self.set_states((slot,), new)
+
+    def set_states(self, slots, new: PageState, busy_delta: int = 0) -> None:
+        """Move every slot to `new` (each transition checked), and change its copies in
+        flight by `busy_delta` (+1: a copy starts using it, -1: a copy finished).
+
+        One loop for the whole batch: this is the pool's hot path.
+        """
+        state, counts, pins, busy = self.state, self.counts, self.pins, self.busy
+        legal = [row[new] for row in LEGAL]
+        add, remove = self.policy.add, self.policy.remove
+        evictable = _IS_EVICTABLE[new]
+        freeing = new == PageState.FREE
+        for slot in slots:
+            old = state[slot]
+            if not legal[old]:
+                check_transition(self.name, slot, old, new)
+            state[slot] = new
+            counts[old] -= 1
+            counts[new] += 1
+            if busy_delta:
+                busy[slot] += busy_delta
+                assert busy[slot] >= 0, f"{self.name} slot {slot} has no copy in flight"
+            if freeing:
+                key = self.keys[slot]
+                if key is not None:
+                    del self.table[key]
+                    self.keys[slot] = None
+                self.hits[slot] = 0
+                self.free.append(slot)
+            if evictable and not pins[slot] and not busy[slot]:
+                add(slot)
+            else:
+                remove(slot)
 
     def _refresh(self, slot: int) -> None:
         if self.state[slot] in _EVICTABLE and not self.pins[slot] and not self.busy[slot]:
@@ -55,10 +77,18 @@ class TierIndex:
     def take_free(self, n: int, state: PageState) -> list[int]:
         """Up to n free slots, moved to `state` (FILLING or LOADING)."""
         take = min(n, len(self.free))
-        slots = [self.free.pop() for _ in range(take)]
-        for slot in slots:
-            self.set_state(slot, state)
+        slots = self.free[len(self.free) - take :][::-1]
+        del self.free[len(self.free) - take :]
+        self.set_states(slots, state)
         return slots
+
+    def bind_all(self, slots, keys) -> None:
+        table, slot_keys = self.table, self.keys
+        for slot, key in zip(slots, keys):
+            if key in table:
+                raise ValueError(f"{self.name}: key {key!r} already in slot {table[key]}")
+            table[key] = slot
+            slot_keys[slot] = key
 
     def bind(self, slot: int, key) -> None:
         if key in self.table:
@@ -107,6 +137,23 @@ class TierIndex:
         self.busy[slot] -= 1
         if not self.busy[slot]:
             self._refresh(slot)
+
+    def hold_all(self, slots, touch: bool = False) -> None:
+        busy, hits, remove = self.busy, self.hits, self.policy.remove
+        for slot in slots:
+            busy[slot] += 1
+            remove(slot)
+            if touch:
+                hits[slot] += 1
+
+    def unhold_all(self, slots) -> None:
+        busy, pins, state, add = self.busy, self.pins, self.state, self.policy.add
+        evictable = _IS_EVICTABLE
+        for slot in slots:
+            busy[slot] -= 1
+            assert busy[slot] >= 0, f"{self.name} slot {slot} has no copy in flight"
+            if not busy[slot] and not pins[slot] and evictable[state[slot]]:
+                add(slot)
 
     def touch(self, slot: int) -> None:
         self.hits[slot] += 1
