@@ -70,9 +70,9 @@ def main() -> None:
         checked = 0
         for keys in chats:  # every chat comes back for a second turn
             hit = pool.match(keys)
-            slots = pool.allocate(hit.total)
-            handle = pool.load(keys[: hit.total], slots)
+            handle = pool.load(keys[: hit.total])
             handle.wait()
+            slots = handle.slots
             for key, slot in zip(keys, slots):
                 if page_bytes(pool, slot) != truth[key]:
                     raise SystemExit(f"page {key[:12]} came back different")

