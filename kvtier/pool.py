@@ -13,6 +13,7 @@ stays in the host tier, so evicting it from the device again costs nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
 from kvtier.transfer.remote_mover import RemoteMover
 
 S = PageState
+log = logging.getLogger(__name__)
 
 
 class PoolExhausted(RuntimeError):
@@ -96,6 +98,8 @@ class TieredPool:
 
     engine: "auto" (CUDA engine on a CUDA device, torch twin elsewhere), "torch", "cuda",
     or a callable (device_tier, host_tier) -> TransferEngine.
+    remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
+    RemoteStore the caller owns (same page size and namespace as this pool).
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class TieredPool:
         self._collector = PoolCollector(self)
         self.remote = None
         self._mover = None
+        self._owns_remote = False
         if remote is not None:
             if isinstance(remote, (str, os.PathLike)):
                 from kvtier.tiers.remote import RemoteStore
@@ -145,7 +150,15 @@ class TieredPool:
                     page_bytes=fmt.page_bytes,
                     capacity_bytes=remote_capacity_bytes,
                 )
+                self._owns_remote = True
+            elif remote.page_bytes != fmt.page_bytes or remote.namespace != self.namespace.digest:
+                raise ValueError(
+                    f"remote store holds {remote.page_bytes}-byte pages of namespace {remote.namespace[:12]}…; "
+                    f"this pool needs {fmt.page_bytes}-byte pages of namespace {self.namespace.digest[:12]}…"
+                )
             self.remote = remote
+            # One registration of the whole host tier: batches then skip per-call registration.
+            remote.register_host_memory(self.host_tier.buffer.view(-1))
             self._mover = RemoteMover(remote, fmt.num_layers, remote_queue_depth)
         if registry is not None:
             registry.register(self._collector)
@@ -252,10 +265,27 @@ class TieredPool:
             dev, host = self._dev, self._host
             d = dev.leading(keys)
             h = host.leading(keys)
-            total = max(d, h)
             dtable, htable = dev.table, host.table
+            total = max(d, h)
             while total < len(keys) and (keys[total] in dtable or keys[total] in htable):
                 total += 1
+            remote = 0
+            if self._mover and total < len(keys):
+                # The loadable prefix may alternate between local and remote-only pages.
+                rest = keys[total:]
+                try:
+                    in_remote = self._mover.call(lambda store: store.contains(rest))
+                except Exception:  # a failing remote tier is a miss, never an error for the engine
+                    self.counters.remote_failures["read"] += len(rest)
+                    in_remote = [False] * len(rest)
+                for key, remote_has in zip(rest, in_remote):
+                    if key in dtable or key in htable:
+                        total += 1
+                    elif remote_has:
+                        total += 1
+                        remote += 1
+                    else:
+                        break
             touched = []
             for key in keys[:d]:
                 slot = dtable[key]
@@ -263,16 +293,8 @@ class TieredPool:
                 touched.append(slot)
             for key in keys[:h]:
                 host.touch(htable[key])
-            remote = 0
-            if self._mover and total < len(keys):
-                rest = keys[total:]
-                try:
-                    remote = self._mover.call(lambda store: store.exists(rest))
-                except Exception:  # a failing remote tier is a miss, never an error for the engine
-                    self.counters.remote_failures["read"] += len(rest)
-                total += remote
             c = self.counters
-            on_device = sum(1 for key in keys[: total - remote] if key in dtable)
+            on_device = sum(1 for key in keys[:total] if key in dtable)
             c.hits["device"] += on_device
             c.hits["host"] += total - remote - on_device
             c.hits["remote"] += remote
@@ -403,33 +425,37 @@ class TieredPool:
                 return self._evict_device_slots(victims)
             return self._evict_host_slots(victims)
 
-    def flush(self) -> None:
-        """Copy every dirty page the write policy keeps to the tier below and wait for all copies."""
+    def flush(self) -> int:
+        """Copy every dirty page the write policy keeps down to the last tier and wait for all
+        copies. Returns how many such pages are still not durable (0 unless a tier failed)."""
         with self._lock:
             self._check_open()
-            self._flush()
+            return self._flush()
 
-    def _flush(self) -> None:
-        self._reap()
-        dev = self._dev
-        dirty = [
-            slot
-            for slot in range(dev.capacity)
-            if dev.state[slot] == S.DIRTY and self.write_policy.copy_on_evict(dev.hits[slot])
-        ]
-        if dirty:
-            self._copy_down(dirty, evicting=False)
-        self._drain()
-        if self._mover:
-            host = self._host
-            keep = [
-                slot
-                for slot in range(host.capacity)
-                if host.state[slot] == S.DIRTY and self.write_policy.copy_on_evict(host.hits[slot])
-            ]
-            if keep:
-                self._backup(keep)
+    def _flush(self) -> int:
+        dev, host = self._dev, self._host
+        keep = self.write_policy.copy_on_evict
+
+        def pending(index: TierIndex) -> list[int]:
+            return [s for s in range(index.capacity) if index.state[s] == S.DIRTY and keep(index.hits[s])]
+
+        # Copies free host slots only as they complete, so go round until nothing moves.
+        while True:
+            self._reap()
+            dirty = pending(dev)
+            moved = self._copy_down(dirty, evicting=False) if dirty else []
+            if self._mover:
+                self._drain()
+                backups = pending(host)
+                if backups:
+                    self._backup(backups)
             self._drain()
+            if not moved:
+                break
+        left = len(pending(dev)) + (len(pending(host)) if self._mover else 0)
+        if left:
+            log.warning("flush: %d dirty pages could not be made durable (remote failures: %s)", left, dict(self.counters.remote_failures))
+        return left
 
     def close(self) -> None:
         """Flush, then release memory and streams. Safe to call twice."""
@@ -441,7 +467,9 @@ class TieredPool:
             self.engine.close()
             if self._mover:
                 self._mover.close()
-                self.remote.close()
+                self.remote.unregister_host_memory(self.host_tier.buffer.view(-1))
+                if self._owns_remote:
+                    self.remote.close()
             self.host_tier.close()
             if self._registry is not None:
                 self._registry.unregister(self._collector)

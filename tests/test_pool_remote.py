@@ -1,0 +1,146 @@
+"""TieredPool with the remote tier: real NIXL, real files."""
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+pytest.importorskip("nixl_cu13")
+
+from kvtier import TieredPool, prefix_keys  # noqa: E402
+from kvtier.tiers.remote import RemoteStore  # noqa: E402
+from tests.conftest import fill_random, poison, small_format, snapshot  # noqa: E402
+
+
+def make_pool(store_dir, **kw):
+    kw.setdefault("device_pages", 8)
+    kw.setdefault("host_pages", 16)
+    kw.setdefault("write_policy", "write_back")
+    return TieredPool(kw.pop("fmt", small_format()), remote=str(store_dir), registry=CollectorRegistry(), **kw)
+
+
+def write(pool, keys, gen):
+    truth = {}
+    for i in range(0, len(keys), 4):
+        batch = keys[i : i + 4]
+        slots = pool.allocate(len(batch))
+        fill_random(pool, slots, gen)
+        truth.update({k: snapshot(pool, s) for k, s in zip(batch, slots)})
+        pool.commit(batch, slots)
+        pool.release(slots)
+    return truth
+
+
+def check(pool, keys, truth):
+    for i in range(0, len(keys), 6):
+        batch = keys[i : i + 6]
+        slots = pool.allocate(len(batch))
+        poison(pool, slots)
+        pool.load(batch, slots).wait()
+        for k, s in zip(batch, slots):
+            assert snapshot(pool, s) == truth[k], f"page {k[:8]}"
+        pool.release(slots)
+
+
+def test_write_back_spills_through_host_to_remote_and_loads_back(tmp_path, gen):
+    pool = make_pool(tmp_path)
+    keys = prefix_keys(list(range(8 * 60)), 8, pool.namespace)
+    truth = write(pool, keys, gen)  # 60 pages through 8 device and 16 host slots
+    s = pool.stats()
+    assert s["pages_moved"]["host_to_remote"] >= 60 - 8 - 16 and s["dropped"] == 0
+    m = pool.match(keys)
+    assert m.total == 60 and m.remote > 0
+    check(pool, keys, truth)
+    assert pool.stats()["pages_moved"]["remote_to_host"] > 0
+    pool.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_close_makes_every_page_durable_and_a_new_pool_serves_it(tmp_path, gen, policy):
+    pool = make_pool(tmp_path, write_policy=policy, model="m")
+    keys = prefix_keys(list(range(8 * 20)), 8, pool.namespace)
+    truth = write(pool, keys, gen)
+    pool.close()
+    again = make_pool(tmp_path, write_policy=policy, model="m")
+    m = again.match(keys)
+    assert (m.device, m.host, m.remote, m.total) == (0, 0, 20, 20)
+    handle = again.load(keys[:6])  # lands in new slots via host
+    handle.wait()
+    for k, s in zip(keys[:6], handle.slots):
+        assert snapshot(again, s) == truth[k]
+    again.release(handle.slots)
+    check(again, keys, truth)
+    again.close()
+
+
+def test_other_namespaces_never_hit_in_a_shared_store(tmp_path, gen):
+    a = make_pool(tmp_path, model="model-a")
+    keys = prefix_keys(list(range(8 * 6)), 8, a.namespace)
+    write(a, keys, gen)
+    a.flush()
+    b = make_pool(tmp_path, model="model-b")
+    # Same keys on purpose: only the namespace differs.
+    assert b.match(keys).total == 0
+    with pytest.raises(KeyError):
+        b.load(keys)
+    b.remote.clear()
+    a.close()
+    again = make_pool(tmp_path, model="model-a")
+    assert again.match(keys).remote == 6  # b's clear left a's pages alone
+    again.close()
+    b.close()
+
+
+def test_failed_backups_are_counted_kept_dirty_and_retried(tmp_path, gen):
+    pool = make_pool(tmp_path, write_policy="write_through", host_pages=32)
+    pool.remote.faults.arm("error", count=10, op="WRITE")
+    keys = prefix_keys(list(range(8 * 8)), 8, pool.namespace)
+    truth = write(pool, keys, gen)
+    pool._drain()
+    s = pool.stats()
+    assert s["remote_failures"]["write"] == 8 and s["pages_moved"].get("host_to_remote", 0) == 0
+    assert s["states"]["host"]["dirty"] == 8
+    pool.remote.faults._armed.clear()
+    pool.flush()  # the retry
+    s = pool.stats()
+    assert s["pages_moved"]["host_to_remote"] == 8 and s["states"]["host"]["dirty"] == 0
+    pool.close()
+    again = make_pool(tmp_path)
+    check(again, keys, truth)
+    again.close()
+
+
+def test_read_failures_are_misses_and_the_pool_goes_on(tmp_path, gen):
+    pool = make_pool(tmp_path, model="m")
+    keys = prefix_keys(list(range(8 * 4)), 8, pool.namespace)
+    truth = write(pool, keys, gen)
+    pool.close()
+    again = make_pool(tmp_path, model="m")
+    again.remote.faults.arm("error", count=1, op="READ")
+    with pytest.raises(KeyError, match="4 of 4 keys"):
+        again.load(keys)
+    assert again.stats()["states"]["host"]["free"] == 16  # nothing half-landed stays
+    check(again, keys, truth)  # the fault is spent: the same load now works
+    again.close()
+
+
+def test_prefetch_to_host_runs_in_the_background(tmp_path, gen):
+    pool = make_pool(tmp_path, model="m")
+    keys = prefix_keys(list(range(8 * 5)), 8, pool.namespace)
+    truth = write(pool, keys, gen)
+    pool.close()
+    again = make_pool(tmp_path, model="m")
+    ticket = again.prefetch_to_host(keys)
+    ticket.synchronize()
+    m = again.match(keys)
+    assert (m.host, m.remote) == (5, 0)
+    check(again, keys, truth)
+    assert again.prefetch_to_host(keys) is None  # nothing left to fetch
+    again.close()
+
+
+def test_a_caller_owned_store_must_match_the_pool(tmp_path):
+    fmt = small_format()
+    store = RemoteStore(str(tmp_path), namespace="ab" * 32, page_bytes=fmt.page_bytes)
+    with pytest.raises(ValueError, match="namespace"):
+        TieredPool(fmt, device_pages=4, host_pages=4, remote=store, registry=CollectorRegistry())
+    store.close()
