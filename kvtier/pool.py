@@ -439,9 +439,10 @@ class TieredPool:
         def pending(index: TierIndex) -> list[int]:
             return [s for s in range(index.capacity) if index.state[s] == S.DIRTY and keep(index.hits[s])]
 
-        # Copies free host slots only as they complete, so go round until nothing moves.
+        # Copies free host slots only as they complete: finish them first, and go round
+        # until nothing moves.
         while True:
-            self._reap()
+            self._drain()
             dirty = pending(dev)
             moved = self._copy_down(dirty, evicting=False) if dirty else []
             if self._mover:
