@@ -9,6 +9,7 @@ pytest.importorskip("nixl_cu13")
 from kvtier import TieredPool, prefix_keys  # noqa: E402
 from kvtier.tiers.remote import RemoteStore  # noqa: E402
 from tests.conftest import fill_random, poison, small_format, snapshot  # noqa: E402
+from tests.test_pool import run_stress  # noqa: E402
 
 
 def make_pool(store_dir, **kw):
@@ -144,3 +145,14 @@ def test_a_caller_owned_store_must_match_the_pool(tmp_path):
     with pytest.raises(ValueError, match="namespace"):
         TieredPool(fmt, device_pages=4, host_pages=4, remote=store, registry=CollectorRegistry())
     store.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_threads_with_a_remote_tier_never_lose_or_mix_pages(tmp_path, policy):
+    pool = make_pool(tmp_path, write_policy=policy, device_pages=64, host_pages=96)
+    loaded = run_stress(pool, threads=4, iterations=25, lossless=True)
+    assert loaded >= 4 * 25  # every iteration of every thread loaded its pick
+    assert pool.stats()["pages_moved"]["remote_to_host"] > 0
+    assert pool.flush() == 0
+    pool.close()

@@ -1,0 +1,104 @@
+"""One small run of every CUDA engine kernel, for compute-sanitizer (memcheck, racecheck).
+
+Each format below selects different kernels of native/: copy widths 16/8/4/2/1 bytes,
+fused upcast and quantize with 16 and 1 elements per thread, e4m3 and e5m2, bf16 and fp16,
+nhd and hnd, MLA, and device-to-device copies. Every copy is checked against TorchEngine
+on CPU twins, so a kernel that runs clean but writes wrong bytes still fails. Run it as
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize_case.py
+(without the caching allocator every tensor is its own allocation, so memcheck sees an
+access one byte past a tensor). Exits non-zero on a mismatch; it is not a pytest module.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvtier.format import FP8_MAX, PageFormat  # noqa: E402
+from kvtier.tiers import DeviceTier, HostTier  # noqa: E402
+from kvtier.transfer import TorchEngine  # noqa: E402
+from kvtier.transfer.cuda_engine import CudaEngine  # noqa: E402
+
+FORMATS = [
+    PageFormat(2, 2, 64, 4),  # copy w16
+    PageFormat(1, 3, 24, 3, dtype="fp8_e4m3", scale="per_token_head"),  # w8 data, w4 scales
+    PageFormat(2, 1, 37, 3, dtype="fp16", layout="hnd"),  # w2
+    PageFormat(1, 1, 7, 3, dtype="fp8_e5m2", allow_unscaled_fp8=True),  # w1
+    PageFormat(2, 1, 576, 2, mla=True),
+    PageFormat(2, 2, 32, 4, dtype="fp8_e4m3", scale="per_page_head", device_dtype="bf16"),  # v16
+    PageFormat(2, 2, 32, 4, dtype="fp8_e5m2", scale="per_tensor", layout="hnd", device_dtype="fp16"),
+    PageFormat(2, 3, 24, 3, dtype="fp8_e4m3", scale="per_token_head", device_dtype="fp16"),  # v1
+    PageFormat(2, 2, 8, 3, dtype="fp8_e5m2", scale="per_page_head", device_dtype="bf16"),  # v1, strided groups
+]
+DEVICE_PAGES, HOST_PAGES = 10, 12
+
+
+def fill(dev: DeviceTier, host: HostTier, gen: torch.Generator) -> None:
+    fmt = dev.fmt
+    if fmt.device_dtype in ("bf16", "fp16"):
+        dev.kv.copy_((torch.rand(dev.kv.shape, generator=gen) * 4 - 2).to(dev.kv.dtype))
+    else:
+        dev.kv.view(torch.uint8).copy_(torch.randint(0, 256, dev.kv.shape, generator=gen, dtype=torch.uint8))
+    if dev.scales is not None:
+        dev.scales.copy_(torch.rand(dev.scales.shape, generator=gen) + 0.5)
+    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=gen, dtype=torch.uint8))
+    if fmt.has_scales:
+        for layer in range(fmt.num_layers):
+            for plane in range(fmt.planes):
+                view = host.data_view(layer, plane)
+                view.copy_(((torch.rand(view.shape, generator=gen) * 2 - 1) * FP8_MAX[fmt.dtype]).to(fmt.torch_dtype))
+                host.scale_view(layer, plane).fill_(0.015625)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().contiguous().view(-1).view(torch.uint8), b.cpu().contiguous().view(-1).view(torch.uint8))
+
+
+def run(fmt: PageFormat) -> list[str]:
+    gen = torch.Generator().manual_seed(3)
+    cpu_dev, cpu_host = DeviceTier(fmt, DEVICE_PAGES, "cpu"), HostTier(fmt, HOST_PAGES, pin=False)
+    fill(cpu_dev, cpu_host, gen)
+    dev, host = DeviceTier(fmt, DEVICE_PAGES, "cuda"), HostTier(fmt, HOST_PAGES, pin=True)
+    dev.kv.copy_(cpu_dev.kv)
+    if dev.scales is not None:
+        dev.scales.copy_(cpu_dev.scales)
+    host.buffer.copy_(cpu_host.buffer)
+    engine, twin = CudaEngine(dev, host, path="kernel"), TorchEngine(cpu_dev, cpu_host)
+    failures = []
+    # The last device and host slots take part, so an access past a tier's end shows.
+    engine.offload([9, 0, 4], [11, 3, 0], ready=engine.record_ready()).synchronize()
+    twin.offload([9, 0, 4], [11, 3, 0])
+    if not same(host.buffer, cpu_host.buffer):
+        failures.append("offload")
+    engine.reload([2, 11, 7], [9, 1, 5]).synchronize()
+    twin.reload([2, 11, 7], [9, 1, 5])
+    if not same(dev.kv, cpu_dev.kv) or (dev.scales is not None and not same(dev.scales, cpu_dev.scales)):
+        failures.append("reload")
+    engine.device_copy([9, 1], [0, 8]).synchronize()
+    twin.device_copy([9, 1], [0, 8])
+    if not same(dev.kv, cpu_dev.kv):
+        failures.append("device_copy")
+    engine.close()
+    host.close()
+    cpu_host.close()
+    return failures
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("sanitize_case: no CUDA device", file=sys.stderr)
+        return 1
+    bad = 0
+    for fmt in FORMATS:
+        failures = run(fmt)
+        print(f"{'FAIL' if failures else 'ok  '} {fmt.describe()} {' '.join(failures)}")
+        bad += bool(failures)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
