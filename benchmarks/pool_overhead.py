@@ -34,7 +34,7 @@ class NoCopyEngine(TransferEngine):
     def offload(self, device_slots, host_slots, ready=None):
         return DoneTicket(self.num_layers)
 
-    def reload(self, host_slots, device_slots):
+    def reload(self, host_slots, device_slots, ready=None):
         return DoneTicket(self.num_layers)
 
     def device_copy(self, src_slots, dst_slots):

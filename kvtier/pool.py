@@ -696,7 +696,7 @@ class TieredPool:
         dev.set_states(dev_slots, S.LOADING, busy_delta=1)
         dev.bind_all(dev_slots, [key for key, _ in targets])
         host.hold_all(host_slots, touch=True)
-        ticket = self.engine.reload(host_slots, dev_slots)
+        ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
 
         def finish() -> None:
             dev.set_states(dev_slots, S.RESIDENT, busy_delta=-1)

@@ -48,7 +48,9 @@ def expand_scales(scales: torch.Tensor, scale: str, layout: str) -> torch.Tensor
 
 def compute_scales(x: torch.Tensor, dtype: str, scale: str, layout: str) -> torch.Tensor:
     amax = x.abs().float().amax(dim=_reduce_dims(scale, layout))
-    scales = amax / FP8_MAX[dtype]
+    # Divide by a tensor, not a Python float: on CUDA torch turns `t / float` into a multiply
+    # by the fp32 reciprocal, which differs from the exact quotient in the last bit.
+    scales = amax / amax.new_tensor(FP8_MAX[dtype])
     return torch.where(amax > 0, scales, torch.ones_like(scales))
 
 

@@ -11,6 +11,7 @@ It must never track which page is in which slot: that is the index's job.
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import torch
 
@@ -27,12 +28,19 @@ class HostTier:
         if self.pinned and not torch.cuda.is_available():
             raise ValueError("host tier pin=True needs CUDA; this machine has none")
         nbytes = num_pages * fmt.page_bytes
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_pages, fmt.page_bytes)
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buffer = torch.frombuffer(mapping, dtype=torch.uint8).view(num_pages, fmt.page_bytes)
+        ptr = self.buffer.data_ptr()
         if self.pinned:
-            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {int(err)}")
+            cudart = torch.cuda.cudart()
+            err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+            if err != 0:
+                cudart.cudaGetLastError()  # clear it, or torch reports it at its next launch
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {err}")
+        # Unregister before the mapping can go, even when nobody calls close(): an address
+        # left registered makes the next mapping placed there fail to register.
+        self._release = weakref.finalize(self, _release, mapping, ptr if self.pinned else None)
+        self._release.atexit = False
 
     @property
     def nbytes(self) -> int:
@@ -60,9 +68,12 @@ class HostTier:
         return raw.view(torch.float32).view(self.num_pages, *self.fmt.scale_shape)
 
     def close(self) -> None:
-        if self._mmap is None:
-            return
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        """Unregister the memory; the mapping goes when the last view of it is collected."""
+        self._release()
         self.buffer = None
-        self._mmap = None  # the mapping is unmapped when the last view is collected
+
+
+def _release(mapping: mmap.mmap, registered_ptr: int | None) -> None:
+    if registered_ptr is not None:
+        torch.cuda.cudart().cudaHostUnregister(registered_ptr)
+    del mapping

@@ -8,8 +8,14 @@ decide which pages move: the pool decides, the engine only copies what it is tol
 Ordering rules every engine keeps:
 - `offload` starts reading device slots only after `ready` (an event recorded after the
   kernel that wrote them) has completed.
-- `reload` records one completion per layer; `Ticket.wait_layer(i)` orders the caller's
-  current stream after layer i only.
+- `reload` writes device slots only after `ready` (an event recorded after the work already
+  queued on the caller's stream, which may still read a slot just handed out again), and
+  records one completion per layer; `Ticket.wait_layer(i)` orders the caller's current
+  stream after layer i only.
+- `device_copy` likewise writes only after the caller's queued work; its source and
+  destination slots are disjoint.
+- Destination slots never repeat within one call. Readers wait on the ticket (`wait`,
+  `wait_layer`) before they read copied slots.
 - The pool reuses a source or destination slot only after `Ticket.done()` says the copy
   finished; engines never hold slots past that.
 """
@@ -78,7 +84,7 @@ class TransferEngine(ABC):
         """Copy device pages into host records (quantizing when the format converts)."""
 
     @abstractmethod
-    def reload(self, host_slots: list[int], device_slots: list[int]) -> Ticket:
+    def reload(self, host_slots: list[int], device_slots: list[int], ready=None) -> Ticket:
         """Copy host records into device pages layer by layer (upcasting when it converts)."""
 
     @abstractmethod

@@ -44,7 +44,7 @@ class TorchEngine(TransferEngine):
                     host.scale_view(layer, plane)[hi] = dev.scales[layer, plane].index_select(0, di).to(host.buffer.device)
         return DoneTicket(fmt.num_layers)
 
-    def reload(self, host_slots, device_slots) -> Ticket:
+    def reload(self, host_slots, device_slots, ready=None) -> Ticket:
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
         di = self._index(device_slots, dev.device)
         hi = self._index(host_slots, host.buffer.device)

@@ -259,3 +259,97 @@ def test_cuda_engine_without_cuda_says_so() -> None:
     fmt = PASSTHROUGH[0]
     with pytest.raises(RuntimeError, match="needs CUDA"):
         CudaEngine(DeviceTier(fmt, 2, "cpu"), HostTier(fmt, 2, pin=False))
+
+
+class _HostMemcpyRuntime:
+    """cuda.bindings.runtime's cudaMemcpyBatchAsync, done with memmove on CPU addresses."""
+
+    class cudaMemcpyAttributes:  # noqa: N801 - mirrors the cuda.bindings name
+        srcAccessOrder = None
+        flags = None
+
+    class cudaMemcpySrcAccessOrder:  # noqa: N801
+        cudaMemcpySrcAccessOrderStream = 1
+
+    class cudaMemcpyFlags:  # noqa: N801
+        cudaMemcpyFlagDefault = 0
+        cudaMemcpyFlagPreferOverlapWithCompute = 1
+
+    class cudaError_t:  # noqa: N801
+        cudaSuccess = 0
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def cudaMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream):  # noqa: N802
+        import ctypes
+
+        assert count == len(dsts) == len(srcs) == len(sizes) and attrs_idxs == [0] and num_attrs == 1
+        self.calls.append((count, attrs[0].flags))
+        for dst, src, size in zip(dsts, srcs, sizes):
+            ctypes.memmove(dst, src, size)
+        return (self.cudaError_t.cudaSuccess,)
+
+
+@pytest.mark.parametrize("fmt", PASSTHROUGH, ids=lambda f: f.describe())
+def test_copy_engine_batches_match_torch_engine(fmt: PageFormat) -> None:
+    from kvtier.transfer.cuda_engine import CudaEngine
+
+    gen = torch.Generator().manual_seed(21)
+    dev, host = _cpu_tiers(fmt, gen)
+    ref_dev, ref_host = _clone(dev, host)
+    engine = object.__new__(CudaEngine)  # the copy-engine path's own methods, over CPU memory
+    engine.device_tier, engine.host_tier, engine.fmt = dev, host, fmt
+    engine._runtime, engine._memcpy_attributes = _HostMemcpyRuntime(), {}
+    engine._host_device_pointer = host.buffer.data_ptr()
+
+    class Stream:
+        cuda_stream = 0
+
+    dslots, hslots = np.array([3, 4, 5, 11, 0]), np.array([7, 8, 9, 2, 15])  # runs to merge, and not
+    engine._batch_copy(Stream, engine._offload_copies(range(fmt.num_layers), dslots, hslots))
+    TorchEngine(ref_dev, ref_host).offload(dslots.tolist(), hslots.tolist())
+    assert np.array_equal(host.buffer.numpy(), ref_host.buffer.numpy())
+    for layer in range(fmt.num_layers):
+        engine._batch_copy(Stream, engine._reload_copies(range(layer, layer + 1), dslots, hslots[::-1].copy()))
+    TorchEngine(ref_dev, ref_host).reload(hslots[::-1].tolist(), dslots.tolist())
+    assert np.array_equal(_bytes(dev.kv), _bytes(ref_dev.kv))
+    if dev.scales is not None:
+        assert np.array_equal(_bytes(dev.scales), _bytes(ref_dev.scales))
+    assert all(flags == 1 for _, flags in engine._runtime.calls)  # small copies prefer overlap
+
+
+@pytest.mark.parametrize("fmt", PASSTHROUGH + CONVERTING, ids=lambda f: f.describe())
+def test_torch_path_matches_torch_engine(fmt: PageFormat, monkeypatch) -> None:
+    """The torch path's staging, record layout and chunking, run on CPU tensors."""
+    from kvtier.transfer import cuda_engine
+
+    monkeypatch.setattr(cuda_engine, "TORCH_STAGING_BYTES", 3 * fmt.page_bytes)  # chunks of 3 pages
+    gen = torch.Generator().manual_seed(33)
+    dev, host = _cpu_tiers(fmt, gen)
+    ref_dev, ref_host = _clone(dev, host)
+    engine = object.__new__(cuda_engine.CudaEngine)
+    engine.device_tier, engine.host_tier, engine.fmt = dev, host, fmt
+    engine.device = torch.device("cpu")
+    landed = []
+    engine._land_layer = lambda stream, layer, slots: landed.append((layer, slots.tolist()))
+    engine.reload_stream = None
+
+    dslots, hslots = np.array([3, 4, 5, 11, 0, 7, 2]), np.array([7, 8, 9, 2, 15, 0, 1])
+    engine._torch_offload(torch.from_numpy(dslots), hslots)
+    TorchEngine(ref_dev, ref_host).offload(dslots.tolist(), hslots.tolist())
+    mask = torch.zeros(fmt.page_bytes, dtype=torch.bool)  # the torch path zeroes record padding
+    for layer in range(fmt.num_layers):
+        for plane in range(fmt.planes):
+            mask[fmt.data_offset(layer, plane) : fmt.data_offset(layer, plane) + fmt.plane_elems * fmt.elem_bytes] = True
+            mask[fmt.scale_offset(layer, plane) : fmt.scale_offset(layer, plane) + fmt.plane_scale_bytes] = True
+    assert torch.equal(host.buffer[:, mask], ref_host.buffer[:, mask])
+    untouched = np.setdiff1d(np.arange(host.num_pages), hslots)
+    assert torch.equal(host.buffer[untouched], ref_host.buffer[untouched])
+
+    engine._torch_reload(torch.from_numpy(dslots), hslots[::-1].copy(), [])
+    TorchEngine(ref_dev, ref_host).reload(hslots[::-1].tolist(), dslots.tolist())
+    assert np.array_equal(_bytes(dev.kv), _bytes(ref_dev.kv))
+    if dev.scales is not None:
+        assert np.array_equal(_bytes(dev.scales), _bytes(ref_dev.scales))
+    assert landed == [(layer, dslots.tolist()) for layer in range(fmt.num_layers)]

@@ -1,0 +1,435 @@
+"""RemoteStore on real NIXL (POSIX backend) and real files: durability, sharing, failures."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13")
+
+from kvtier.tiers.remote import (  # noqa: E402
+    HEADER_BYTES,
+    SLOT_ALIGN,
+    RemoteStore,
+    RemoteUnavailable,
+)
+
+NS = "a1b2c3d4"
+PAGE = 16 << 10
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import pathlib, sys, time, torch
+from kvtier.tiers.remote import RemoteStore
+mode, directory, marker = sys.argv[1:4]
+page, ns = 16 << 10, "a1b2c3d4"
+def pages(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return list(torch.randint(1, 256, (n, page), dtype=torch.uint8, generator=gen))
+store = RemoteStore(directory, namespace=ns, page_bytes=page, segment_bytes=1 << 20)
+if mode == "crash":
+    def stall(keys):
+        pathlib.Path(marker).touch()
+        time.sleep(120)
+    store.faults.before_publish = stall
+    store.put([f"crash-{i}" for i in range(8)], pages(8, 7))
+    sys.exit("the write was published: the parent should have killed this process")
+expected = pages(8, 1)
+got = [torch.zeros(page, dtype=torch.uint8) for _ in range(8)]
+assert store.get([f"parent-{i}" for i in range(8)], got) == [True] * 8
+assert all(torch.equal(a, b) for a, b in zip(got, expected)), "parent pages differ"
+assert all(store.put([f"child-{i}" for i in range(80)], pages(80, 2)))
+store.close()
+"""
+
+
+def random_pages(n: int, seed: int, size: int = PAGE) -> list[torch.Tensor]:
+    """Random page contents, never a zero byte (so zero-poisoned buffers show a miss)."""
+    gen = torch.Generator().manual_seed(seed)
+    return list(torch.randint(1, 256, (n, size), dtype=torch.uint8, generator=gen))
+
+
+def poisoned(n: int, size: int = PAGE) -> list[torch.Tensor]:
+    return [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+
+
+def same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
+    return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def run_child(mode: str, directory: Path, marker: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, str(directory), str(marker)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def record_offsets(store: RemoteStore, key: str) -> tuple[Path, int, int]:
+    """(segment file, header offset, payload offset) of a key, from the documented layout."""
+    (loc,) = store._index.lookup(store.namespace, [key.encode()])
+    stride, nslots = store._index.segment(loc.seg)
+    table = -(-nslots * HEADER_BYTES // SLOT_ALIGN) * SLOT_ALIGN
+    path = Path(store.directory) / "segments" / f"{loc.seg:08d}.seg"
+    return path, loc.slot * HEADER_BYTES, table + loc.slot * stride
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        value = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value ^ 0x5A]))
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    stores = []
+
+    def make(**kw) -> RemoteStore:
+        kw.setdefault("namespace", NS)
+        kw.setdefault("page_bytes", PAGE)
+        kw.setdefault("segment_bytes", 1 << 20)
+        store = RemoteStore(kw.pop("location", tmp_path / "store"), **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def test_round_trip_is_bit_exact_for_tensors_and_pointers(open_store):
+    store = open_store()
+    data = random_pages(12, seed=1)
+    keys = [f"page-{i}" for i in range(6)] + [f"bytes-{i}".encode() for i in range(6)]
+    assert store.put(keys, data) == [True] * 12
+    out = poisoned(12)
+    as_pointers = [(t.data_ptr(), t.numel()) for t in out[6:]]
+    assert store.get(keys, out[:6] + as_pointers) == [True] * 12
+    assert same(out, data)
+    assert store.get(["page-0"], [torch.zeros(PAGE, dtype=torch.uint8)]) == [True]
+    assert store.get([b"page-0"], [torch.zeros(PAGE, dtype=torch.uint8)]) == [True]  # same key
+    s = store.stats()
+    assert (s["hits"], s["misses"], s["pages"], s["used_bytes"]) == (14, 0, 12, 12 * PAGE)
+    assert s["bytes_written"] == s["bytes_read"] - 2 * PAGE == 12 * PAGE
+
+
+def test_exists_counts_leading_hits_and_contains_each(open_store):
+    store = open_store()
+    store.put(["a", "b", "c"], random_pages(3, seed=2))
+    assert store.exists(["a", "b", "missing", "c"]) == 2
+    assert store.exists(["missing", "a"]) == 0
+    assert store.exists(["c", "b", "a"]) == 3
+    assert store.exists([]) == 0
+    assert store.contains(["a", "missing", "c"]) == [True, False, True]
+    out = poisoned(3)
+    assert store.get(["a", "missing", "c"], out) == [True, False, True]
+    assert not out[1].any()
+    assert store.stats()["misses"] == 1
+
+
+def test_large_batches_move_in_pipelined_requests(open_store, tmp_path):
+    size = 256 << 10  # 24 pages = 6 MiB: checksums run on the thread pool
+    piped = open_store(page_bytes=size, pipeline_bytes=1 << 20, segment_bytes=4 << 20)
+    whole = open_store(page_bytes=size, location=tmp_path / "whole", segment_bytes=4 << 20)
+    data = random_pages(24, seed=3, size=size)
+    keys = [f"big-{i}" for i in range(24)]
+    for store in (piped, whole):
+        assert store.put(keys, data) == [True] * 24
+        out = poisoned(24, size)
+        assert store.get(keys, out) == [True] * 24
+        assert same(out, data)
+    piped.faults.arm("error", count=1, op="READ")  # the first of six requests fails
+    out = poisoned(24, size)
+    assert piped.get(keys, out) == [False] * 4 + [True] * 20
+    assert same(out[4:], data[4:]) and piped.stats()["read_failures"] == 4
+
+
+def test_two_processes_share_one_store(open_store, tmp_path):
+    store = open_store()
+    mine = random_pages(8, seed=1)
+    assert all(store.put([f"parent-{i}" for i in range(8)], mine))
+    child = run_child("share", store.directory, tmp_path / "unused")
+    output, _ = child.communicate(timeout=120)
+    assert child.returncode == 0, output
+    # The child filled more than one segment; this store opens the new one on first use.
+    theirs = random_pages(80, seed=2)
+    out = poisoned(80)
+    assert store.get([f"child-{i}" for i in range(80)], out) == [True] * 80
+    assert same(out, theirs)
+    assert store.stats()["segments"] >= 2
+
+
+def test_a_reopened_store_serves_everything_committed(open_store, tmp_path):
+    first = open_store(location=f"file://{tmp_path / 'store'}")
+    data = random_pages(20, seed=4)
+    keys = [f"k{i}" for i in range(20)]
+    assert all(first.put(keys, data))
+    first.close()
+    again = open_store()
+    out = poisoned(20)
+    assert again.get(keys, out) == [True] * 20
+    assert same(out, data)
+    assert again.stats()["pages"] == 20
+
+
+def test_corrupt_payload_or_header_is_a_counted_miss_and_dropped(open_store):
+    store = open_store()
+    data = random_pages(4, seed=5)
+    keys = ["k0", "k1", "k2", "k3"]
+    store.put(keys, data)
+    path, _, payload = record_offsets(store, "k1")
+    flip_byte(path, payload + PAGE // 2)
+    path, header, _ = record_offsets(store, "k2")
+    flip_byte(path, header)  # the magic
+    out = poisoned(4)
+    assert store.get(keys, out) == [True, False, False, True]
+    assert same([out[0], out[3]], [data[0], data[3]])
+    s = store.stats()
+    assert (s["corrupt_reads"], s["raced_reads"], s["pages"]) == (2, 0, 2)
+    assert store.contains(keys) == [True, False, False, True]
+    assert store.put(["k1"], [data[1]]) == [True]  # rewritten into a fresh slot
+    assert store.get(["k1"], out[:1]) == [True] and torch.equal(out[0], data[1])
+
+
+def test_a_writer_killed_before_publishing_leaves_nothing_visible(open_store, tmp_path):
+    directory = tmp_path / "store"
+    marker = tmp_path / "durable"
+    child = run_child("crash", directory, marker)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert child.poll() is None, child.communicate()[0]
+        assert time.monotonic() < deadline, "the child never reached publication"
+        time.sleep(0.05)
+    child.kill()
+    child.wait()
+    store = open_store(reuse_delay_s=0.0)  # opening reclaims the dead writer's slots
+    keys = [f"crash-{i}" for i in range(8)]
+    written = random_pages(8, seed=7)
+    segment = (directory / "segments" / "00000001.seg").read_bytes()
+    assert written[0].numpy().tobytes() in segment  # the bytes were durable, not published
+    assert store.contains(keys) == [False] * 8
+    assert store.get(keys, poisoned(8)) == [False] * 8
+    s = store.stats()
+    assert (s["reserved_slots"], s["free_slots"], s["pages"]) == (0, 8, 0)
+    data = random_pages(8, seed=8)
+    assert all(store.put(keys, data))
+    assert store.stats()["free_slots"] == 0  # the reclaimed slots were reused
+    out = poisoned(8)
+    assert store.get(keys, out) == [True] * 8 and same(out, data)
+
+
+def test_injected_errors_and_timeouts_fail_cleanly(open_store):
+    store = open_store(timeout_s=0.3)
+    base = random_pages(4, seed=9)
+    keys = ["a", "b", "c", "d"]
+    assert all(store.put(keys, base))
+    other = random_pages(4, seed=10)
+    for mode in ("error", "error_after_io", "timeout"):
+        store.faults.arm(mode, op="WRITE")
+        start = time.monotonic()
+        assert store.put(keys, other) == [False] * 4  # an overwrite that must not land
+        if mode == "timeout":
+            assert time.monotonic() - start >= 0.3
+        assert store.put(["new"], other[:1]) == [True]  # the fault was spent
+        store.delete(["new"])
+    assert store.stats()["write_failures"] == 12
+    for mode in ("error", "error_after_io", "timeout"):
+        store.faults.arm(mode, op="READ")
+        assert store.get(keys, poisoned(4)) == [False] * 4
+        out = poisoned(4)
+        assert store.get(keys, out) == [True] * 4 and same(out, base)
+    s = store.stats()
+    assert (s["read_failures"], s["corrupt_reads"], s["reserved_slots"]) == (12, 0, 0)
+    assert (s["pages"], s["write_failures"]) == (4, 12)
+    store.faults.arm("error", count=5)
+    store.faults.disarm()
+    assert store.put(["after"], other[:1]) == [True]
+
+
+def test_namespaces_are_isolated_and_clear_is_scoped(open_store):
+    a = open_store(namespace="aa")
+    b = open_store(namespace="BB01")
+    keys = ["same-0", "same-1", "same-2"]
+    data_a, data_b = random_pages(3, seed=11), random_pages(3, seed=12)
+    a.put(keys, data_a)
+    assert b.contains(keys) == [False] * 3
+    assert b.get(keys, poisoned(3)) == [False] * 3
+    b.put(keys, data_b)
+    out = poisoned(3)
+    assert a.get(keys, out) == [True] * 3 and same(out, data_a)
+    assert b.get(keys, out) == [True] * 3 and same(out, data_b)
+    assert b.clear() == 3
+    assert b.contains(keys) == [False] * 3
+    assert a.get(keys, out) == [True] * 3 and same(out, data_a)
+    assert a.stats()["store_pages"] == 3
+    assert a.delete(["same-0", "never"]) == [True, False]
+    assert a.contains(keys) == [False, True, True]
+
+
+def test_capacity_evicts_in_exact_lru_order(open_store):
+    store = open_store(capacity_bytes=4 * PAGE, high_watermark=1.0, low_watermark=1.0)
+    data = dict(zip("abcdefgh", random_pages(8, seed=13)))
+    for key in "abcd":
+        assert store.put([key], [data[key]]) == [True]
+    assert store.get(["a"], poisoned(1)) == [True]  # a is now the most recent
+    store.put(["e"], [data["e"]])
+    assert store.contains(list("abcde")) == [True, False, True, True, True]
+    store.get(["c"], poisoned(1))
+    store.put(["f"], [data["f"]])  # LRU order was d, a, e, c
+    assert store.contains(list("acdef")) == [True, True, False, True, True]
+    store.put(["g", "h"], [data["g"], data["h"]])  # evicts a and e
+    assert store.contains(list("acefgh")) == [False, True, False, True, True, True]
+    s = store.stats()
+    assert (s["evictions"], s["pages"], s["used_bytes"]) == (4, 4, 4 * PAGE)
+    out = poisoned(4)
+    assert store.get(list("cfgh"), out) == [True] * 4
+    assert same(out, [data[k] for k in "cfgh"])
+
+
+def test_watermarks_evict_down_to_the_low_mark_and_reject_what_cannot_fit(open_store, tmp_path):
+    store = open_store(capacity_bytes=10 * PAGE, high_watermark=0.8, low_watermark=0.5)
+    data = random_pages(9, seed=14)
+    for i in range(8):
+        store.put([f"p{i}"], [data[i]])
+    assert store.stats()["evictions"] == 0
+    store.put(["p8"], [data[8]])  # 9 pages > 8: evict to 5 - 1 = 4 resident, then add one
+    assert store.contains([f"p{i}" for i in range(9)]) == [False] * 4 + [True] * 5
+    tiny = open_store(capacity_bytes=2 * PAGE, location=tmp_path / "tiny",
+                      high_watermark=1.0, low_watermark=1.0)
+    assert tiny.put(["x", "y", "z"], data[:3]) == [True, True, False]
+    assert tiny.stats()["rejected_writes"] == 1
+
+
+def test_a_read_racing_slot_reuse_is_a_miss_not_corruption(open_store, monkeypatch):
+    reader = open_store(reuse_delay_s=0.0)
+    writer = open_store(reuse_delay_s=0.0)
+    v1, v2, v3 = random_pages(3, seed=15)
+    writer.put(["k"], [v1])
+    looked_up = reader._index.lookup
+
+    def lookup_then_race(ns, keys):
+        found = looked_up(ns, keys)
+        writer.put(["k"], [v2])  # frees k's old slot...
+        writer.put(["other"], [v3])  # ...which is reused at once
+        return found
+
+    monkeypatch.setattr(reader._index, "lookup", lookup_then_race)
+    assert reader.get(["k"], poisoned(1)) == [False]
+    monkeypatch.undo()
+    s = reader.stats()
+    assert (s["raced_reads"], s["corrupt_reads"]) == (1, 0)
+    out = poisoned(1)
+    assert reader.get(["k"], out) == [True] and torch.equal(out[0], v2)
+
+
+def test_threads_never_read_torn_or_foreign_pages(open_store):
+    # Two handles (two NIXL agents, two index connections) stand in for two processes; the
+    # capacity forces eviction and a zero reuse delay makes freed slots come back at once.
+    stores = [open_store(capacity_bytes=24 * PAGE, reuse_delay_s=0.0) for _ in range(2)]
+    nkeys, errors, hits = 40, [], [0]
+
+    def page_for(key_id: int, version: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(key_id * 1_000_003 + version)
+        page = torch.randint(1, 256, (PAGE,), dtype=torch.uint8, generator=gen)
+        page[:16] = torch.tensor(list(key_id.to_bytes(8, "little") + version.to_bytes(8, "little")))
+        return page
+
+    def worker(store: RemoteStore, seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                ids = rng.sample(range(nkeys), 6)
+                keys = [f"key-{i}" for i in ids]
+                if rng.random() < 0.5:
+                    store.put(keys, [page_for(i, rng.randrange(1 << 30)) for i in ids])
+                    continue
+                out = poisoned(6)
+                for i, ok, page in zip(ids, store.get(keys, out), out):
+                    if ok:
+                        key_id = int.from_bytes(page[:8].numpy().tobytes(), "little")
+                        version = int.from_bytes(page[8:16].numpy().tobytes(), "little")
+                        assert key_id == i, f"key-{i} returned the page of key-{key_id}"
+                        assert torch.equal(page, page_for(i, version)), f"key-{i} torn"
+                        hits[0] += 1
+        except Exception as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(stores[i % 2], i)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert hits[0] > 0
+    for store in stores:
+        s = store.stats()
+        assert (s["corrupt_reads"], s["read_failures"], s["write_failures"]) == (0, 0, 0)
+        assert s["reserved_slots"] == 0 and s["used_bytes"] <= 24 * PAGE
+
+
+def test_registered_host_memory_is_used_in_place(open_store):
+    store = open_store()
+    pool = torch.randint(1, 256, (8 * PAGE,), dtype=torch.uint8)
+    store.register_host_memory(pool)
+    pages = list(pool.view(8, PAGE))
+    keys = [f"h{i}" for i in range(8)]
+    expected = [p.clone() for p in pages]
+    assert all(store.put(keys, pages))
+    pool.zero_()
+    assert store.get(keys, pages) == [True] * 8 and same(pages, expected)
+    store.unregister_host_memory(pool)
+    with pytest.raises(ValueError, match="was not registered"):
+        store.unregister_host_memory(pool)
+
+
+def test_gds_falls_back_to_posix_when_unavailable(open_store, caplog):
+    with caplog.at_level("WARNING", logger="kvtier.tiers.remote"):
+        store = open_store(backend="GDS")
+    assert store.backend == "POSIX"
+    assert sum("falling back to POSIX" in r.message for r in caplog.records) == 1
+    data = random_pages(2, seed=16)
+    store.put(["g0", "g1"], data)
+    out = poisoned(2)
+    assert store.get(["g0", "g1"], out) == [True, True] and same(out, data)
+
+
+def test_missing_nixl_raises_remote_unavailable_with_the_install_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl_cu13._api", None)
+    monkeypatch.setitem(sys.modules, "nixl_cu12._api", None)
+    with pytest.raises(RemoteUnavailable, match="pip install --no-deps nixl-cu13==1.5.1 numpy"):
+        RemoteStore(tmp_path, namespace=NS, page_bytes=PAGE)
+
+
+def test_bad_arguments_name_the_value_and_the_expectation(open_store, tmp_path):
+    with pytest.raises(ValueError, match="'xyz'.*hex"):
+        open_store(namespace="xyz")
+    with pytest.raises(ValueError, match="low=0.9 high=0.5"):
+        open_store(high_watermark=0.5, low_watermark=0.9)
+    with pytest.raises(ValueError, match="'NFS'"):
+        open_store(backend="NFS")
+    with pytest.raises(ValueError, match="'s3'"):
+        open_store(location="s3://bucket/x")
+    store = open_store()
+    with pytest.raises(ValueError, match=f"4096 bytes; expected page_bytes={PAGE}"):
+        store.put(["k"], [torch.zeros(4096, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="2 buffers for 1 keys"):
+        store.put(["k"], poisoned(2))
+    with pytest.raises(ValueError, match="contiguous"):
+        store.get(["k"], [torch.zeros(2 * PAGE, dtype=torch.uint8)[::2]])
+    with pytest.raises(TypeError, match="int; expected str or bytes"):
+        store.contains([3])
+    with pytest.raises(TypeError, match="list"):
+        store.put(["k"], [[0] * PAGE])
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.contains(["k"])
