@@ -213,6 +213,8 @@ def gpu_paths() -> list[str]:
         paths.append("kernel")
     if _batch_memcpy() is not None:
         paths.append("copy_engine")
+        if native.cupy_available():
+            paths.append("staged")
     paths.append("torch")
     return paths
 
@@ -245,13 +247,19 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
         device_bytes = pages * fmt.device_plane_bytes * fmt.planes * fmt.num_layers
         wire_bytes = pages * fmt.page_bytes
         for path in paths:
-            if converting and path == "copy_engine":
+            if (converting and path == "copy_engine") or (not converting and path == "staged"):
                 continue
             engine = CudaEngine(dev, host, path=path, max_blocks=blocks)
-            offload = time_cuda(lambda: [engine.offload(dslots, hslots, ready=engine.record_ready())], args.repeats, 2)
-            offload_s, offload_note = offload.device_s, _launch_note(engine, offload)
             reload = time_cuda(lambda: [engine.reload(hslots, dslots, ready=engine.record_ready())], args.repeats, 2)
             reload_s, reload_note = reload.device_s, _launch_note(engine, reload)
+            if path == "staged":  # only reloads convert through staging; its offload is the kernel's
+                page = device_bytes // pages
+                note = f"bf16 bytes delivered; fp8 record {fmt.page_bytes / 1024:.1f} KiB; {reload_note}"
+                results.add("reload+upcast", path, page, pages, reload_s, device_bytes, note)
+                engine.close()
+                continue
+            offload = time_cuda(lambda: [engine.offload(dslots, hslots, ready=engine.record_ready())], args.repeats, 2)
+            offload_s, offload_note = offload.device_s, _launch_note(engine, offload)
             if converting:
                 # Keyed by the bf16 page size, like the pass-through rows; the fp8 record is about half.
                 page = device_bytes // pages
@@ -361,7 +369,7 @@ def run_gpu(args) -> dict:
     budget = int(args.max_gib * GIB)
     sizes = args.sizes
     converting_paths = [p for p in paths if p != "copy_engine"]
-    decode_paths = [p for p in paths if p != "torch"] or paths
+    decode_paths = [p for p in paths if p not in ("torch", "staged")] or paths
     bar = progress(1 + len(sizes) * (3 * len(paths) + 1 + 2 * len(converting_paths)) + len(decode_paths), not args.no_progress)
     results = Results(bar)
     limits = gpu_limits(min(budget, 1 * GIB), args.repeats)

@@ -246,7 +246,8 @@ def main(argv=None) -> None:
     parser.add_argument("--page-kib", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--segment-mib", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3, help="runs per size; median reported")
-    parser.add_argument("--checksum-threads", type=int, default=2)
+    parser.add_argument("--checksum-threads", type=int, default=None,
+                        help="RemoteStore checksum_threads (default: its own)")
     parser.add_argument("--pipeline-mib", type=int, default=8, help="RemoteStore pipeline_bytes")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="measure cold reads on the first read of freshly written files")

@@ -79,7 +79,7 @@ class LoadHandle:
             t.synchronize()
 
 
-def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform):
+def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
     if callable(kind):
         return kind(device_tier, host_tier)
     if kind == "auto":
@@ -89,7 +89,7 @@ def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform):
     if kind == "cuda":
         from kvtier.transfer.cuda_engine import CudaEngine
 
-        return CudaEngine(device_tier, host_tier, transform=transform)
+        return CudaEngine(device_tier, host_tier, transform=transform, path=copy_path)
     raise ValueError(f"engine must be 'auto', 'torch' or 'cuda', got {kind!r}")
 
 
@@ -97,7 +97,8 @@ class TieredPool:
     """Pages of one model, one page format and one rank, across device, host (and remote) tiers.
 
     engine: "auto" (CUDA engine on a CUDA device, torch twin elsewhere), "torch", "cuda",
-    or a callable (device_tier, host_tier) -> TransferEngine.
+    or a callable (device_tier, host_tier) -> TransferEngine. copy_path picks the CUDA
+    engine's way of moving bytes ("auto", "kernel", "copy_engine", "staged", "torch").
     remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
     RemoteStore the caller owns (same page size and namespace as this pool).
     """
@@ -111,6 +112,7 @@ class TieredPool:
         write_policy: str = "write_through",
         eviction: str = "lru",
         engine="auto",
+        copy_path: str = "auto",
         model: str = "default",
         rank: int = 0,
         transform: ReloadTransform | None = None,
@@ -128,7 +130,7 @@ class TieredPool:
         self.name = name or next_pool_name()
         self.device_tier = DeviceTier(fmt, device_pages, device)
         self.host_tier = HostTier(fmt, host_pages)
-        self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform)
+        self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
         self._dev = TierIndex("device", device_pages, make_policy(eviction))
         self._host = TierIndex("host", host_pages, make_policy(eviction))
         self._lock = threading.RLock()

@@ -123,6 +123,16 @@ def test_round_trip_is_bit_exact_for_tensors_and_pointers(open_store):
     assert s["bytes_written"] == s["bytes_read"] - 2 * PAGE == 12 * PAGE
 
 
+def test_a_key_twice_in_one_put_keeps_the_later_page(open_store):
+    store = open_store()
+    first, second = random_pages(2, seed=17)
+    assert store.put(["dup", "dup"], [first, second]) == [True, True]
+    out = poisoned(1)
+    assert store.get(["dup"], out) == [True] and torch.equal(out[0], second)
+    s = store.stats()
+    assert (s["pages"], s["used_bytes"], s["free_slots"], s["reserved_slots"]) == (1, PAGE, 1, 0)
+
+
 def test_exists_counts_leading_hits_and_contains_each(open_store):
     store = open_store()
     store.put(["a", "b", "c"], random_pages(3, seed=2))

@@ -1,16 +1,15 @@
 """Remote tier: a durable, shared page store whose bytes move through NIXL.
 
-Owns a store directory: page records in segment files (moved by a NIXL storage backend between
-the caller's host memory and the files), and the slot index (``remote_index.RemoteIndex``, SQLite)
-that says which slot holds which page. Pages are fixed-size byte records of ``page_bytes``
-addressed by (namespace, key); the namespace is a hex fingerprint of model, page format and rank,
-so pages written under another format are never served.
+Owns a store directory: page records in segment files, moved by a NIXL storage backend between
+the caller's host memory and the files, and the slot index (``remote_index.RemoteIndex``, SQLite)
+that says which slot holds which page. Pages are fixed-size records of ``page_bytes`` addressed by
+(namespace, key); the namespace is a hex fingerprint of model, page format and rank, so pages
+written under another format are never served.
 
-It must never: move page bytes other than through NIXL (no Python file I/O on the data path;
-``os.fdatasync`` and ``os.ftruncate`` only manage files); return a page whose record header or
-checksum does not match (that is a miss, counted); make a page visible before its record is
-durable; remove another namespace's pages except by capacity eviction; hold the index lock while
-bytes move.
+It must never: move page bytes other than through NIXL (``os.ftruncate``, ``os.fdatasync`` and
+``sync_file_range`` only manage files); return a page whose record header or checksum does not
+match (a miss, counted); make a page visible before its record is durable; remove another
+namespace's pages except by capacity eviction; hold the index lock while bytes move.
 
 Layout of a directory::
 
@@ -21,53 +20,77 @@ Layout of a directory::
 A segment holds ``nslots`` slots of one ``slot_stride`` (``page_bytes`` rounded up to 4 KiB, so
 payloads stay 4 KiB aligned for O_DIRECT and GDS). Bytes ``[0, H)`` are the header table, 64 bytes
 per slot, ``H`` = ``nslots * 64`` rounded up to 4 KiB; slot ``i``'s payload starts at
-``H + i * slot_stride``. Segments are created sparse (``ftruncate``) at ``segment_bytes`` (default
-1 GiB), opened once per process, their descriptors kept open and registered with NIXL once, so a
-batch costs one NIXL request and no ``open``/``register`` calls. SGLang's NIXL backend keeps one
-file per key and opens and registers files per transfer; with fixed slots a page write is two
-``pwrite``-like I/Os at known offsets and slots are reused in place.
+``H + i * slot_stride``. Segments are created sparse at ``segment_bytes`` (default 1 GiB), opened
+once per process, kept open and registered with NIXL once: a batch costs no ``open`` or
+registration of files, and slots are reused in place. (SGLang's NIXL backend keeps one file per
+key and opens and registers it per transfer.) Headers live in a table rather than next to each
+payload so a record costs 64 bytes, not a 4 KiB block, and payloads keep their alignment; a
+second descriptor for the header stream was measured and gave nothing (kernel readahead copes).
 
 Record header (64 bytes, little endian): magic ``KVTP``, format version, header size, namespace
 fingerprint (blake2b-128), key digest (blake2b-128), payload length, write token (random 63-bit,
-also stored in the index), payload crc32, and a crc32 of the header itself. A read moves the
-header into a staging array and the payload straight into the caller's buffer in the same NIXL
-request, then checks every header field against the index and the crc32 of the caller's buffer
-(zlib, about 2.3 GB/s a core here, run on a thread pool for large batches). Any mismatch is a miss:
-``corrupt_reads`` if the index still names that record (the record is then unpublished), or
-``raced_reads`` if the key was rewritten or removed meanwhile. On a miss the caller's buffer
-content is unspecified.
+also in the index), payload crc32, crc32 of the header. A read moves each header into a staging
+array and each payload straight into the caller's buffer, then checks every header field against
+the index and the crc32 of the caller's buffer. Any mismatch is a miss: ``corrupt_reads`` if the
+index still names that record (which is then unpublished), ``raced_reads`` if the key was
+rewritten or removed meanwhile. On a miss the caller's buffer content is unspecified.
 
-Write path: crc32 of the payloads, reserve slots (index transaction; evicts if over the high
-watermark), one NIXL WRITE of payloads and headers, ``fdatasync`` of every touched segment, then
-publish (index transaction). A writer killed before publishing leaves only a reservation, which
-``RemoteIndex.reclaim`` frees once its owner is dead (pid + start time on this host, a lease for
-other hosts); the half-written slot is never visible. Two writers of one key each write a fresh
-slot, the later publication wins, the earlier page's slot is freed only by that publication.
+Data path and measured choices (2 vCPU VM, virtio disk of about 1.5 GB/s write and 1.9 GB/s
+read; ``benchmarks/remote_bandwidth.py``):
+- A batch moves in NIXL requests of up to ``pipeline_bytes`` (default 8 MiB), never one per page:
+  the checksum threads seal request k+1 (crc32, headers) while request k moves, and check request
+  k while k+1 moves. zlib's crc32 runs at about 2.3 GB/s a core and releases the GIL, and so does
+  NIXL while it moves bytes. One request per 64 MiB batch read 64 KiB pages cold at 0.88 GB/s,
+  8 MiB requests at 1.32 GB/s (4 MiB: the same; 16 MiB: 1.17).
+- After each write request, ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts writeback of the
+  bytes it dirtied (RocksDB's ``bytes_per_sync``), so the device works while the next request is
+  sealed and copied; the ``fdatasync`` per batch then mostly waits. This took 256 KiB-4 MiB page
+  writes from 0.6-0.75x to 0.95-1.1x of a plain ``write`` + ``fsync`` loop.
+- The POSIX backend's queues (Linux AIO, NIXL's default; io_uring; POSIX AIO) measured within
+  noise of each other here. With Linux AIO on buffered files a poll of the request performs the
+  copies itself, so a poll that did work is followed at once by the next (sleeping between
+  them cost a quarter of warm-read speed).
+- Per page the Python bookkeeping costs about 8 us (index lookup, descriptors, buffer checks),
+  which is what separates 64 KiB pages from large ones.
+- Warm reads (page cache) are bound by crc32: the raw baseline copies at 6 GB/s and checks
+  nothing; verifying is mandatory here, so expect about 2.3 GB/s per checksum thread available.
 
-Reader versus slot reuse: a freed slot is not reused for ``reuse_delay_s`` (default 2 s), far
-longer than the gap between a reader's lookup and its transfer; a reader slower than that reads a
-record whose write token, key digest or crc32 no longer match, which is a miss, never wrong bytes.
+Write protocol: reserve slots (index transaction; evicts if over the high watermark), move the
+records, ``fdatasync`` each touched segment, then publish (index transaction). A writer killed
+before publishing leaves only a reservation, which ``RemoteIndex.reclaim`` frees once its owner is
+dead (pid + start time on this host; a lease for other hosts): the half-written slot is never
+visible. Two writers of one key each write a fresh slot; the later publication wins and frees the
+earlier page's slot.
 
-Capacity: ``capacity_bytes`` bounds the payload bytes published in the whole directory (all
-namespaces: the disk is shared, so eviction is store-wide LRU and may evict other namespaces'
-pages). When a put would pass ``high_watermark * capacity_bytes``, least recently used pages are
-evicted down to ``low_watermark * capacity_bytes``. Freed slots wait ``reuse_delay_s`` before
-reuse, so files may briefly hold more than the capacity. ``clear()`` removes only this namespace.
+Reader versus slot reuse: a freed slot is handed out again only after ``reuse_delay_s`` (default
+2 s), far longer than the gap between a reader's lookup and its transfer; a slower reader reads a
+record whose token, key digest or crc32 no longer match, which is a miss, never wrong bytes.
 
-Failures: a transfer that raises, reports an error, or does not complete within ``timeout_s`` is
-released (NIXL aborts it) and the whole batch fails cleanly: ``get`` returns misses and counts
-``read_failures``, ``put`` returns False, counts ``write_failures`` and frees its reservations
+Capacity: ``capacity_bytes`` bounds the payload bytes published in the whole directory. The disk
+is shared, so eviction is store-wide LRU and may evict other namespaces' pages. When a put would
+pass ``high_watermark * capacity_bytes``, least recently used pages are evicted down to
+``low_watermark * capacity_bytes``. Freed slots wait ``reuse_delay_s``, so files may briefly hold
+more than the capacity. ``clear()`` removes only this namespace.
+
+Failures: a request that raises, reports an error, or does not finish within ``timeout_s`` is
+released (NIXL aborts it) and fails the pages it carried, nothing else: ``get`` returns misses and
+counts ``read_failures``; ``put`` returns False, counts ``write_failures`` and frees the slots
 after the reuse delay (an aborted write may still land). No retry: the caller decides.
-``faults`` (``FaultInjector``) is a seam in this code path that tests use to make the next
-transfers fail, time out, or pause before publication.
+``timeout_s`` is checked between polls; with Linux AIO on buffered files a poll does the I/O
+itself, so a device that hangs inside one I/O holds that poll (``use_uring`` gives hard timeouts).
+``faults`` (``FaultInjector``) is a seam in this code path: tests make the next requests fail,
+time out, or pause before publication.
 
-Backends: ``POSIX`` (files through Linux AIO, io_uring or POSIX AIO; pick with
-``backend_params={"use_uring": "true"}`` etc., default is NIXL's choice, Linux AIO); ``GDS`` and
-``GDS_MT`` are tried and fall back to POSIX with one log line when the plugin cannot be created or
-cannot register a file; ``OBJ`` (S3 and compatibles) takes ``backend_params`` through to NIXL and
-keeps one object per slot (NIXL's OBJ backend cannot write at an offset, so a record is staged
-contiguously before upload); the index stays in the local directory. OBJ is untested here: the
-nixl-cu13 1.5.1 wheel's OBJ plugin needs ``libcuobjclient.so.1``, absent without CUDA.
+Backends: ``POSIX`` (pass ``backend_params`` such as ``{"use_uring": "true"}``); ``GDS`` and
+``GDS_MT`` are tried with a 4 KiB write and read-back and fall back to POSIX with one log line if
+the plugin cannot be created, register a file, or move host memory (the nixl-cu13 1.5.1 wheel
+cannot load them without ``libcufile``); ``OBJ`` (S3 and compatibles) takes ``backend_params``
+through to NIXL and keeps one object per slot under ``object_prefix`` (NIXL's OBJ backend cannot
+write at an offset, so a record is staged contiguously before upload), with the index in the
+local directory. OBJ is untested: the wheel's OBJ plugin needs ``libcuobjclient.so.1`` (CUDA).
+
+Sharing: processes on one host share a directory (SQLite WAL needs shared memory, so not over a
+network file system). Open a store in each process after any fork; a store object is thread-safe.
 """
 
 from __future__ import annotations
@@ -93,7 +116,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from kvtier.tiers.remote_index import RemoteIndex, SlotRef, make_owner
+from kvtier.tiers.remote_index import PageLocation, RemoteIndex, SlotRef, make_owner
 
 logger = logging.getLogger(__name__)
 
@@ -465,7 +488,7 @@ class _SegmentFiles:
         fds = np.empty(count, dtype=np.uint64)
         strides = np.empty(count, dtype=np.uint64)
         tables = np.empty(count, dtype=np.uint64)
-        for seg in np.unique(segs).tolist():
+        for seg in {s.seg for s in slots}:
             mask = segs == seg
             fds[mask], strides[mask], tables[mask] = self._segment(seg)
         local = np.empty((2 * count, 3), dtype=np.uint64)
@@ -707,11 +730,11 @@ class RemoteStore:
     def put(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[bool]:
         """Store pages; True where the page is durable and published.
 
-        The batch moves in NIXL requests of up to ``pipeline_bytes`` (the crc32 of the next
-        request's pages runs on the checksum threads meanwhile), then one ``fdatasync`` per
-        touched segment and one index commit. A failed request fails the pages it carried
-        (``write_failures``); pages beyond what the capacity can hold even after eviction are
-        False (``rejected_writes``)."""
+        The batch moves in NIXL requests of up to ``pipeline_bytes``; the checksum threads seal
+        the next request's pages (crc32, record headers) while one moves. Then one
+        ``fdatasync`` per touched segment and one index commit. A failed request fails the
+        pages it carried (``write_failures``); pages beyond what the capacity can hold even
+        after eviction are False (``rejected_writes``)."""
         self._check_open()
         names = [_key_bytes(k) for k in keys]
         ptrs = self._buffer_pointers(buffers, len(names))
@@ -736,18 +759,18 @@ class RemoteStore:
         self._count(evictions=reservation.evicted, rejected_writes=len(names) - len(slots))
         if not slots:
             return [False] * len(names)
-        chunks = self._chunks(len(slots))
-        crc_jobs = self._checksum_jobs([ptrs[c.start : c.stop] for c in chunks])
         tokens = [random.getrandbits(63) for _ in slots]
+        chunks = self._chunks(len(slots))
+        seals = self._jobs(
+            self._seal,
+            [(names[c.start : c.stop], tokens[c.start : c.stop], ptrs[c.start : c.stop])
+             for c in chunks],
+        )
         crcs: list[int] = []
         moved: list[int] = []
-        for chunk, crc_job in zip(chunks, crc_jobs):
-            crcs.extend(crc_job.result())
-            headers = np.empty((len(chunk), HEADER_BYTES), dtype=np.uint8)
-            for row, i in enumerate(chunk):
-                headers[row] = np.frombuffer(
-                    self._header(names[i], tokens[i], crcs[i]), dtype=np.uint8
-                )
+        for chunk, seal in zip(chunks, seals):
+            chunk_crcs, headers = seal.result()
+            crcs.extend(chunk_crcs)
             try:
                 local, remote, staging = self._medium.write_descriptors(
                     slots[chunk.start : chunk.stop], headers, ptrs[chunk.start : chunk.stop],
@@ -783,10 +806,10 @@ class RemoteStore:
     def get(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[bool]:
         """Fill buffers with pages; True where the page was found and verified.
 
-        The batch moves in NIXL requests of up to ``pipeline_bytes``; the crc32 of a request's
-        pages runs on the checksum threads while the next request moves. A page that is absent,
-        of another size, fails its header or crc32 check, or was carried by a failed request is
-        a miss; its buffer content is then unspecified."""
+        The batch moves in NIXL requests of up to ``pipeline_bytes``; the checksum threads check
+        a request's pages (crc32, record headers) while the next one moves. A page that is
+        absent, of another size, fails its check, or was carried by a failed request is a miss;
+        its buffer content is then unspecified."""
         self._check_open()
         names = [_key_bytes(k) for k in keys]
         ptrs = self._buffer_pointers(buffers, len(names))
@@ -799,7 +822,7 @@ class RemoteStore:
         ]
         headers = np.zeros((len(wanted), HEADER_BYTES), dtype=np.uint8)
         chunks = self._chunks(len(wanted))
-        read: list[tuple[range, Future]] = []
+        checks: list[tuple[list[int], Future]] = []
         for chunk in chunks:
             pages = [wanted[j] for j in chunk]
             try:
@@ -814,23 +837,21 @@ class RemoteStore:
                 logger.warning("remote get of %d pages failed: %s", len(pages), exc)
                 self._count(read_failures=len(pages))
                 continue
-            page_ptrs = [ptrs[i] for i in pages]
-            if len(chunks) > 1:
-                read.append((chunk, self._checksum_pool.submit(self._checksums_now, page_ptrs)))
-            else:
-                read.extend(zip([chunk], self._checksum_jobs([page_ptrs])))
+            args = (
+                [names[i] for i in pages], [locations[i] for i in pages],
+                headers[chunk.start : chunk.stop], [ptrs[i] for i in pages],
+            )
+            checks.append((pages, self._job(self._check, args, pipelined=len(chunks) > 1)))
         found = [False] * len(names)
-        bad = []
-        for chunk, crc_job in read:
-            for j, crc in zip(chunk, crc_job.result()):
-                i = wanted[j]
-                found[i] = self._verify(headers[j], names[i], locations[i], crc)
-                if not found[i]:
-                    bad.append((names[i], locations[i]))
-        self._classify_bad_reads(bad)
+        for pages, check in checks:
+            for i, ok in zip(pages, check.result()):
+                found[i] = ok
+        self._classify_bad_reads(
+            [(names[i], locations[i]) for pages, _ in checks for i in pages if not found[i]]
+        )
         hits = [names[i] for i in range(len(names)) if found[i]]
-        if hits:
-            self._index.touch(self.namespace, hits)
+        if hits and self._index.touch(self.namespace, hits):
+            self._checksum_pool.submit(self._flush_touches)
         self._count(
             hits=len(hits),
             misses=len(names) - len(hits),
@@ -936,23 +957,24 @@ class RemoteStore:
         per_request = max(1, self.pipeline_bytes // self.page_bytes)
         return [range(s, min(s + per_request, count)) for s in range(0, count, per_request)]
 
-    def _checksum_jobs(self, groups: Sequence[Sequence[int]]) -> list[Future]:
-        """One future per group of page pointers, resolving to their crc32 list.
+    def _job(self, fn: Callable, args: tuple, pipelined: bool) -> Future:
+        """Run ``fn(*args)`` on the checksum threads when other requests of the batch can move
+        meanwhile, else now (where it may split its crc32 work across the threads)."""
+        if pipelined:
+            return self._checksum_pool.submit(fn, *args)
+        job: Future = Future()
+        job.set_result(fn(*args))
+        return job
 
-        Several groups queue on the checksum threads in order, so group k+1 is summed while the
-        caller moves group k. A lone group is summed now, split across the threads when large
-        (zlib releases the GIL); small work runs inline, where a thread hop costs more."""
-        if len(groups) == 1:
-            job: Future = Future()
-            job.set_result(self._checksums_now(groups[0]))
-            return [job]
-        return [self._checksum_pool.submit(self._checksums_now, group) for group in groups]
+    def _jobs(self, fn: Callable, args: Sequence[tuple]) -> list[Future]:
+        return [self._job(fn, a, pipelined=len(args) > 1) for a in args]
 
-    def _checksums_now(self, ptrs: Sequence[int]) -> list[int]:
+    def _checksums(self, ptrs: Sequence[int]) -> list[int]:
+        """crc32 of pages; on a caller thread, large work is split across the checksum threads
+        (zlib releases the GIL). On a checksum thread it runs there: that is the pipeline."""
         views = [_view(p, self.page_bytes) for p in ptrs]
-        in_pool = threading.current_thread().name.startswith(_CHECKSUM_THREAD_PREFIX)
         if (
-            in_pool
+            threading.current_thread().name.startswith(_CHECKSUM_THREAD_PREFIX)
             or len(views) * self.page_bytes < _PARALLEL_CHECKSUM_BYTES
             or self._checksum_threads == 1
         ):
@@ -964,6 +986,31 @@ class RemoteStore:
         ]
         return [crc for part in parts for crc in part.result()]
 
+    def _seal(
+        self, names: Sequence[bytes], tokens: Sequence[int], ptrs: Sequence[int]
+    ) -> tuple[list[int], np.ndarray]:
+        """crc32 and record headers of pages about to be written."""
+        crcs = self._checksums(ptrs)
+        packed = bytearray(b"".join(map(self._header, names, tokens, crcs)))
+        return crcs, np.frombuffer(packed, dtype=np.uint8).reshape(len(names), HEADER_BYTES)
+
+    def _check(
+        self,
+        names: Sequence[bytes],
+        locations: Sequence[PageLocation],
+        headers: np.ndarray,
+        ptrs: Sequence[int],
+    ) -> list[bool]:
+        """Whether each page just read has the record header and crc32 the index promises."""
+        crcs = self._checksums(ptrs)
+        got = headers.tobytes()
+        return [
+            crc == loc.crc
+            and got[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+            == self._header(name, loc.token, loc.crc)
+            for j, (name, loc, crc) in enumerate(zip(names, locations, crcs))
+        ]
+
     def _header(self, key: bytes, token: int, crc: int) -> bytes:
         body = _HEADER_BODY.pack(
             MAGIC, FORMAT_VERSION, HEADER_BYTES, self._ns_fingerprint, _digest(key),
@@ -971,13 +1018,7 @@ class RemoteStore:
         )
         return body + _HEADER_CRC.pack(zlib.crc32(body))
 
-    def _verify(self, header: np.ndarray, key: bytes, location, payload_crc: int) -> bool:
-        return (
-            payload_crc == location.crc
-            and header.tobytes() == self._header(key, location.token, location.crc)
-        )
-
-    def _classify_bad_reads(self, bad: list[tuple[bytes, object]]) -> None:
+    def _classify_bad_reads(self, bad: list[tuple[bytes, PageLocation]]) -> None:
         """A bad record the index still names is corrupt (unpublish it); one whose key moved
         on meanwhile was raced by a writer."""
         for key, location in bad:
@@ -1020,6 +1061,13 @@ class RemoteStore:
             if not any(s <= start and end <= e for s, e in covered)
         ]
         return self._engine.register(rows, "DRAM") if rows else None
+
+    def _flush_touches(self) -> None:
+        """Write buffered LRU hits off the reading thread; a failure only delays them."""
+        try:
+            self._index.flush_touches()
+        except sqlite3.Error as exc:
+            logger.warning("could not record LRU hits yet: %r", exc)
 
     def _release_quietly(self, slots: Sequence[SlotRef]) -> None:
         if not slots:

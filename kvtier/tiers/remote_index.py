@@ -17,10 +17,12 @@ Rules it keeps, whatever process or thread calls it:
   handed out again only after ``reuse_delay_s``, so a reader that looked the page up just before
   it was freed normally finishes reading before the slot is rewritten. The record header and
   checksum, checked by the reader, make the rare slower reader a miss, never wrong bytes.
-- LRU order is exact within the store: ``last_access`` is a logical clock in the database, bumped
-  by publication and by hits. Hits are buffered in memory and written at the next write
-  transaction of this index (or after ``TOUCH_FLUSH_PAGES`` hits / ``TOUCH_FLUSH_S`` seconds, and
-  on close), so a hit costs no write transaction.
+- LRU order is a logical clock in the database (``last_access``), bumped by publication and by
+  hits. Hits are buffered in memory and written at the next write transaction of this index, by
+  ``flush_touches`` (which ``touch`` asks for after ``TOUCH_FLUSH_PAGES`` hits or
+  ``TOUCH_FLUSH_S`` seconds), and on close: a hit costs no write transaction, the order is exact
+  for this index's own writes, and other processes see its hits within about a second. Hits of a
+  process that dies before a flush are lost (those pages just look older).
 - Eviction is store-wide: pages of every namespace in the directory compete for one capacity.
   Removal by namespace (``clear``) never touches another namespace.
 
@@ -29,7 +31,8 @@ never hold its lock while a caller moves bytes.
 
 Durability: WAL journal with ``synchronous=NORMAL``. A commit survives a process crash; after an
 operating-system crash or power loss the last commits may be lost, which makes those pages misses
-(their records were made durable before publication, and a lost publication is only a lost page).
+(their records were made durable before publication, and a lost publication is only a lost page;
+a slot reused after a lost commit holds another key's record, which readers reject).
 """
 
 from __future__ import annotations
@@ -269,19 +272,23 @@ class RemoteIndex:
             raise KeyError(f"segment {seg} is not in {self.path}")
         return row
 
-    def touch(self, ns: str, keys: Iterable[bytes]) -> None:
-        """Record hits for LRU; written at the next write transaction or when the buffer fills."""
+    def touch(self, ns: str, keys: Iterable[bytes]) -> bool:
+        """Record hits for LRU, written at the next write transaction of this index. Returns
+        True when enough are buffered (``TOUCH_FLUSH_PAGES``, or older than ``TOUCH_FLUSH_S``)
+        that the caller should call ``flush_touches``, from a thread of its choice."""
         with self._lock:
             if not self._pending_touches:
                 self._oldest_touch = time.monotonic()
             self._pending_touches.extend((ns, key) for key in keys)
-            due = (
+            return (
                 len(self._pending_touches) >= TOUCH_FLUSH_PAGES
                 or time.monotonic() - self._oldest_touch >= TOUCH_FLUSH_S
             )
-        if due:
-            with self._transaction() as db:
-                self._flush_touches(db)
+
+    def flush_touches(self) -> None:
+        """Write buffered hits."""
+        with self._transaction() as db:
+            self._flush_touches(db)
 
     def stats(self, ns: str) -> dict[str, int]:
         """Page counts and bytes of namespace ``ns`` and of the whole store."""
@@ -427,64 +434,73 @@ class RemoteIndex:
         """Make durable records visible: entries are (key, slot, length, crc, token).
 
         An entry whose reservation this writer no longer owns (reclaimed after its lease) is not
-        published and returns False. A key's previous page, if any, is freed.
-        """
+        published and returns False. A key's previous page, if any, is freed; of two entries
+        for one key, the later wins."""
         now = time.time()
-        published = []
         with self._transaction() as db:
             self._flush_touches(db)
-            first = self._tick(db, len(entries))
-            for i, (key, slot, length, crc, token) in enumerate(entries):
-                owned = db.execute(
-                    "DELETE FROM reservations WHERE seg = ? AND slot = ? AND owner = ?",
-                    (slot.seg, slot.slot, self.owner),
-                ).rowcount
-                if not owned:
-                    published.append(False)
-                    continue
-                old = db.execute(
-                    "SELECT ns, key, seg, slot, length FROM pages WHERE ns = ? AND key = ?",
-                    (ns, key),
-                ).fetchone()
-                if old is not None:
-                    self._remove_pages(db, [old], now)
-                db.execute(
-                    "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (ns, key, slot.seg, slot.slot, length, crc, token, first + i),
-                )
-                self._add_meta(db, "used_bytes", length)
-                published.append(True)
+            owned = set(
+                db.execute("SELECT seg, slot FROM reservations WHERE owner = ?", (self.owner,))
+            )
+            published = [tuple(entry[1]) in owned for entry in entries]
+            mine = [entry for entry, ok in zip(entries, published) if ok]
+            db.executemany(
+                "DELETE FROM reservations WHERE seg = ? AND slot = ?", [e[1] for e in mine]
+            )
+            latest: dict[bytes, tuple] = {}
+            superseded = []
+            for entry in mine:
+                if entry[0] in latest:
+                    superseded.append(latest[entry[0]][1])
+                latest[entry[0]] = entry
+            self._free(db, superseded, now)
+            self._remove_pages(db, self._page_rows(db, ns, list(latest)), now)
+            first = self._tick(db, len(latest))
+            db.executemany(
+                "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (ns, key, slot.seg, slot.slot, length, crc, token, first + i)
+                    for i, (key, slot, length, crc, token) in enumerate(latest.values())
+                ],
+            )
+            self._add_meta(db, "used_bytes", sum(e[2] for e in latest.values()))
         return published
+
+    @staticmethod
+    def _page_rows(db: sqlite3.Connection, ns: str, keys: Sequence[bytes]) -> list[tuple]:
+        """(ns, key, seg, slot, length) rows of the published pages among ``keys``."""
+        rows = []
+        for start in range(0, len(keys), _SQL_CHUNK):
+            chunk = keys[start : start + _SQL_CHUNK]
+            rows.extend(
+                db.execute(
+                    f"SELECT ns, key, seg, slot, length FROM pages "
+                    f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
+                    (ns, *chunk),
+                )
+            )
+        return rows
 
     def release(self, slots: Sequence[SlotRef]) -> None:
         """Give back reserved slots that will not be published (failed or abandoned writes)."""
         now = time.time()
         with self._transaction() as db:
-            owned = [
-                (s.seg, s.slot)
-                for s in slots
-                if db.execute(
-                    "DELETE FROM reservations WHERE seg = ? AND slot = ? AND owner = ?",
-                    (s.seg, s.slot, self.owner),
-                ).rowcount
-            ]
-            self._free(db, owned, now)
+            owned = set(
+                db.execute("SELECT seg, slot FROM reservations WHERE owner = ?", (self.owner,))
+            )
+            mine = [tuple(s) for s in slots if tuple(s) in owned]
+            db.executemany("DELETE FROM reservations WHERE seg = ? AND slot = ?", mine)
+            self._free(db, mine, now)
 
     def delete(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
         """Unpublish keys of namespace ``ns``; True where a page existed."""
         now = time.time()
         with self._transaction() as db:
             self._flush_touches(db)
-            rows = {}
-            for key in keys:
-                row = db.execute(
-                    "SELECT ns, key, seg, slot, length FROM pages WHERE ns = ? AND key = ?",
-                    (ns, key),
-                ).fetchone()
-                if row is not None:
-                    rows[key] = row
-            self._remove_pages(db, list(rows.values()), now)
-        return [key in rows for key in keys]
+            rows = self._page_rows(db, ns, list(dict.fromkeys(keys)))
+            self._remove_pages(db, rows, now)
+        existed = {bytes(row[1]) for row in rows}
+        return [key in existed for key in keys]
 
     def drop_if_current(self, ns: str, key: bytes, token: int) -> bool:
         """Unpublish ``key`` only if its page is still the write ``token`` (a corrupt record)."""
@@ -530,6 +546,5 @@ class RemoteIndex:
 
     def close(self) -> None:
         """Write buffered hits and close the connection."""
-        with self._transaction() as db:
-            self._flush_touches(db)
+        self.flush_touches()
         self._db.close()

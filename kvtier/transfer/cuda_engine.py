@@ -11,6 +11,11 @@ events that order them against the caller's stream, and three ways to move bytes
   copy per (page, layer, plane) piece, pieces adjacent on both sides merged into runs. No SM
   is used, so it never slows the model; it needs large pieces to reach PCIe speed (DESIGN.md,
   "Copy mechanisms"). Pass-through only.
+- "staged" (converting reloads; elsewhere it acts as "auto"): the copy engines move whole fp8
+  records into a device staging buffer, then the upcast kernel converts them from HBM. SMs
+  read host memory at about 51 GB/s, the copy engines at 55, so this delivers more bf16 bytes
+  per second, but every layer is ready only once all records have landed: for bulk prefetch
+  ahead of need, not for layer-by-layer overlap with attention.
 - "torch": a device staging buffer laid out as host records (index_select), then one
   cudaMemcpyAsync per run of consecutive host slots (and the reverse). The fallback when CuPy
   is missing, and a second reference in the tests. Its quantize goes through the codec, whose
@@ -48,8 +53,12 @@ from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import native
 from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine
 
-PATHS = ("auto", "kernel", "copy_engine", "torch")
-COPY_ENGINE_MIN_PIECE = 256 * 1024
+PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
+# Measured on the H200 (BENCHMARKS.md, 2026-12-02): from 128 KiB pieces the copy engines
+# move 55 GB/s against the SM kernel's 52, and the host queues a piece (about 1.8 us)
+# faster than the engines move it (2.4 us), so they keep up; below that, queueing falls
+# behind and the kernel wins end to end. Copy engines also leave every SM to the model.
+COPY_ENGINE_MIN_PIECE = 128 * 1024
 # Threads per block and words per thread per loop trip of native/*.cu (KVTIER_THREADS,
 # KVTIER_UNROLL): the grid is sized so each thread has work for a few trips at most.
 THREADS = 256
@@ -382,7 +391,7 @@ class CudaEngine(TransferEngine):
         self._same_length(host_idx, dev_idx)
         if dev_idx.size == 0:
             return DoneTicket(fmt.num_layers)
-        path = self._choose(converts=fmt.converts, piece_bytes=fmt.plane_elems * fmt.elem_bytes)
+        path = self._choose(converts=fmt.converts, piece_bytes=fmt.plane_elems * fmt.elem_bytes, staged_ok=True)
         self.last_path, self.last_launch = path, None
         stream = self.reload_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -392,6 +401,8 @@ class CudaEngine(TransferEngine):
             keep = [pinned, slots]
             if path == "torch":
                 events = self._torch_reload(slots[0], host_idx, keep)
+            elif path == "staged":
+                events = self._staged_reload(stream, slots, host_idx, keep)
             else:
                 events = []
                 for layer in range(fmt.num_layers):
@@ -449,9 +460,16 @@ class CudaEngine(TransferEngine):
         self._cupy_streams.clear()
 
     # --- choosing a path ---------------------------------------------------------------------
-    def _choose(self, converts: bool, piece_bytes: int) -> str:
+    def _choose(self, converts: bool, piece_bytes: int, staged_ok: bool = False) -> str:
         fp8_ok = self.capability >= FP8_CONVERT_CAPABILITY
-        if self.path == "auto":
+        if self.path == "staged":
+            if staged_ok and converts:
+                if self._runtime is None or not self.has_cupy or not fp8_ok:
+                    raise RuntimeError(
+                        "path='staged' needs cudaMemcpyBatchAsync (cuda-bindings >= 12.8), CuPy and an sm_89+ GPU"
+                    )
+                return "staged"
+        if self.path in ("auto", "staged"):
             if not converts and self._runtime is not None and piece_bytes >= COPY_ENGINE_MIN_PIECE:
                 return "copy_engine"
             if self.has_cupy and (fp8_ok or not converts):
@@ -608,10 +626,35 @@ class CudaEngine(TransferEngine):
         for copy in passthrough_copies(fmt, self.device_tier.num_pages, range(layer, layer + 1), "reload"):
             self._launch_copy(stream, copy, host, self._device_base(copy), slots[1], slots[0], num_pages)
 
-    def _launch_convert(self, stream, op: str, slots: torch.Tensor, num_pages: int, layers: range) -> None:
-        """Launch the fused quantize (offload) or upcast (reload) kernel over `layers`."""
+    def _staged_reload(self, stream, slots: torch.Tensor, host_idx: np.ndarray, keep: list) -> list:
+        """Whole fp8 records -> device staging by the copy engines, then upcast per layer from HBM."""
+        fmt, count = self.fmt, host_idx.size
+        staging = torch.empty((count, fmt.page_bytes), dtype=torch.uint8, device=self.device)
+        pairs = torch.empty_like(slots)  # (device slot, staging row) of every page
+        pairs[0].copy_(slots[0])
+        torch.arange(count, out=pairs[1])
+        keep.extend((staging, pairs))
+        record = Region(0, fmt.page_bytes, 0)
+        whole = PieceCopy(record, record, 1, fmt.page_bytes, False)
+        rows = np.arange(count, dtype=np.int64)
+        self._batch_copy(stream, [expand_copies(whole, self._host_pointer(), staging.data_ptr(), host_idx, rows)])
+        events = []
+        for layer in range(fmt.num_layers):
+            self._launch_convert(stream, "upcast", pairs, count, range(layer, layer + 1), records=staging.data_ptr())
+            events.append(self._land_layer(stream, layer, slots[0]))
+        return events
+
+    def _launch_convert(
+        self, stream, op: str, slots: torch.Tensor, num_pages: int, layers: range, records: int | None = None
+    ) -> None:
+        """Launch the fused quantize (offload) or upcast (reload) kernel over `layers`.
+
+        `records`: the address of the records the kernel reads or writes, laid out as the
+        host tier (default: the host tier itself, through its device alias).
+        """
         fmt, pages = self.fmt, self.device_tier.num_pages
-        kv, host = self.device_tier.kv.data_ptr(), self._host_pointer()
+        kv = self.device_tier.kv.data_ptr()
+        host = self._host_pointer() if records is None else records
         groups = scale_groups(fmt)
         vec = convert_vector(fmt)
         pieces = len(layers) * fmt.planes

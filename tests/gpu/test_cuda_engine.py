@@ -242,6 +242,35 @@ def test_reload_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
         tiers.close()
 
 
+@pytest.mark.parametrize("fmt", [pytest.param(f, id=f.describe()) for f in CONVERTING])
+@pytest.mark.skipif(
+    not (HAS_CUPY and CAN_CONVERT and HAS_BATCH_MEMCPY), reason="staged upcast needs CuPy, sm_89+ and cuda-bindings >= 12.8"
+)
+def test_staged_reload_matches_cpu_twin(fmt: PageFormat) -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(3):
+        tiers = Tiers(fmt, seed=300 + trial)
+        count = int(rng.integers(1, 40))
+        hslots = _batch(rng, count, HOST_PAGES, trial == 1)
+        dslots = _batch(rng, count, DEVICE_PAGES, trial == 1)
+        tiers.poison_device()
+        engine = CudaEngine(tiers.dev, tiers.host, path="staged")
+        ticket = engine.reload(hslots, dslots)
+        assert engine.last_path == "staged"
+        for layer in range(fmt.num_layers):
+            ticket.wait_layer(layer)
+        TorchEngine(tiers.cpu_dev, tiers.cpu_host).reload(hslots, dslots)
+        _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, f"staged reload pages, trial {trial}")
+        engine.close()
+        tiers.close()
+    passthrough = Tiers(PASSTHROUGH[0], seed=310)
+    engine = CudaEngine(passthrough.dev, passthrough.host, path="staged")
+    engine.reload([1, 2], [3, 4]).synchronize()
+    assert engine.last_path in ("kernel", "copy_engine")  # nothing to convert: staged acts as auto
+    engine.close()
+    passthrough.close()
+
+
 @pytest.mark.parametrize("fmt,path", CASES)
 def test_device_copy_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
     rng = np.random.default_rng(3)
