@@ -11,6 +11,7 @@ checked byte for byte against what was written.
 from __future__ import annotations
 
 import argparse
+import logging
 import tempfile
 
 import torch
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--remote", default=None, help="directory of a remote page store (default: a temp dir)")
     ap.add_argument("--chats", type=int, default=24)
     args = ap.parse_args()
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # its agent start-up lines are not news here
 
     fmt = PageFormat(num_layers=8, num_kv_heads=4, head_dim=64, page_size=16, dtype="fp8_e4m3", scale="per_page_head")
     print(f"page format: {fmt.describe()}")
@@ -55,7 +57,7 @@ def main() -> None:
     truth: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp, TieredPool(
         fmt, device=args.device, device_pages=64, host_pages=160, write_policy="write_back",
-        model="demo-model",
+        model="demo-model", remote=args.remote or tmp,
     ) as pool:
         system = list(range(64))  # 4 pages shared by every chat
         chats = []

@@ -761,11 +761,16 @@ class RemoteStore:
             return [False] * len(names)
         tokens = [random.getrandbits(63) for _ in slots]
         chunks = self._chunks(len(slots))
-        seals = self._jobs(
-            self._seal,
-            [(names[c.start : c.stop], tokens[c.start : c.stop], ptrs[c.start : c.stop])
-             for c in chunks],
-        )
+        # The first request's seal has nothing to overlap with: it runs now, split across the
+        # threads; the others queue behind it and overlap the moves.
+        seals = [
+            self._job(
+                self._seal,
+                (names[c.start : c.stop], tokens[c.start : c.stop], ptrs[c.start : c.stop]),
+                pipelined=c.start > 0,
+            )
+            for c in chunks
+        ]
         crcs: list[int] = []
         moved: list[int] = []
         for chunk, seal in zip(chunks, seals):
@@ -841,7 +846,8 @@ class RemoteStore:
                 [names[i] for i in pages], [locations[i] for i in pages],
                 headers[chunk.start : chunk.stop], [ptrs[i] for i in pages],
             )
-            checks.append((pages, self._job(self._check, args, pipelined=len(chunks) > 1)))
+            last = chunk.stop == len(wanted)  # nothing left to overlap: check it now, split
+            checks.append((pages, self._job(self._check, args, pipelined=not last)))
         found = [False] * len(names)
         for pages, check in checks:
             for i, ok in zip(pages, check.result()):
@@ -958,16 +964,13 @@ class RemoteStore:
         return [range(s, min(s + per_request, count)) for s in range(0, count, per_request)]
 
     def _job(self, fn: Callable, args: tuple, pipelined: bool) -> Future:
-        """Run ``fn(*args)`` on the checksum threads when other requests of the batch can move
-        meanwhile, else now (where it may split its crc32 work across the threads)."""
+        """Run ``fn(*args)`` on the checksum threads when another request of the batch can move
+        meanwhile, else now (where it splits its crc32 work across the threads)."""
         if pipelined:
             return self._checksum_pool.submit(fn, *args)
         job: Future = Future()
         job.set_result(fn(*args))
         return job
-
-    def _jobs(self, fn: Callable, args: Sequence[tuple]) -> list[Future]:
-        return [self._job(fn, a, pipelined=len(args) > 1) for a in args]
 
     def _checksums(self, ptrs: Sequence[int]) -> list[int]:
         """crc32 of pages; on a caller thread, large work is split across the checksum threads

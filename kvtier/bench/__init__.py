@@ -1,0 +1,1 @@
+"""Benchmarks that ship with kvtier (run through the `kvtier` command)."""
