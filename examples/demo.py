@@ -11,7 +11,7 @@ checked byte for byte against what was written.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import tempfile
 
 import torch
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--remote", default=None, help="directory of a remote page store (default: a temp dir)")
     ap.add_argument("--chats", type=int, default=24)
     args = ap.parse_args()
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # its agent start-up lines are not news here
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's agent start-up lines are not news here
 
     fmt = PageFormat(num_layers=8, num_kv_heads=4, head_dim=64, page_size=16, dtype="fp8_e4m3", scale="per_page_head")
     print(f"page format: {fmt.describe()}")
