@@ -70,6 +70,9 @@ CONVERT_UNROLL = 2
 PREFER_OVERLAP_MAX_COPY = 128 * 1024
 # Device staging of the torch path is bounded; larger batches go through it in chunks.
 TORCH_STAGING_BYTES = 256 * 1024 * 1024
+# Chunks of a staged reload: the upcast of one overlaps the DMA of the next, so only the last
+# chunk's upcast (an eighth) is not hidden behind PCIe.
+STAGED_CHUNKS = 8
 FP8_CONVERT_CAPABILITY = (8, 9)
 
 
@@ -344,6 +347,8 @@ class CudaEngine(TransferEngine):
         # Reloads sit on the critical path of attention: let them win the SMs over offloads.
         self.reload_stream = torch.cuda.Stream(self.device, priority=-1)
         self.device_copy_stream = torch.cuda.Stream(self.device)
+        # The staged reload's DMA into HBM runs here, beside the upcasts on the reload stream.
+        self.staging_stream = torch.cuda.Stream(self.device, priority=-1)
         self.has_cupy = native.cupy_available()
         self._runtime = _batch_memcpy()
         self._host_device_pointer: int | None = None
@@ -402,7 +407,7 @@ class CudaEngine(TransferEngine):
             if path == "torch":
                 events = self._torch_reload(slots[0], host_idx, keep)
             elif path == "staged":
-                events = self._staged_reload(stream, slots, host_idx, keep)
+                events = self._staged_reload(stream, slots, host_idx, keep, ready)
             else:
                 events = []
                 for layer in range(fmt.num_layers):
@@ -455,7 +460,7 @@ class CudaEngine(TransferEngine):
         return CudaTicket([event], fmt.num_layers, self.device, keep)
 
     def close(self) -> None:
-        for stream in (self.offload_stream, self.reload_stream, self.device_copy_stream):
+        for stream in (self.offload_stream, self.reload_stream, self.device_copy_stream, self.staging_stream):
             stream.synchronize()
         self._cupy_streams.clear()
 
@@ -626,23 +631,36 @@ class CudaEngine(TransferEngine):
         for copy in passthrough_copies(fmt, self.device_tier.num_pages, range(layer, layer + 1), "reload"):
             self._launch_copy(stream, copy, host, self._device_base(copy), slots[1], slots[0], num_pages)
 
-    def _staged_reload(self, stream, slots: torch.Tensor, host_idx: np.ndarray, keep: list) -> list:
-        """Whole fp8 records -> device staging by the copy engines, then upcast per layer from HBM."""
+    def _staged_reload(self, stream, slots: torch.Tensor, host_idx: np.ndarray, keep: list, ready) -> list:
+        """Whole fp8 records -> device staging by the copy engines, chunk by chunk on the staging
+        stream, each chunk upcast from HBM on the reload stream while the next one crosses PCIe."""
         fmt, count = self.fmt, host_idx.size
-        staging = torch.empty((count, fmt.page_bytes), dtype=torch.uint8, device=self.device)
+        # Allocated on the staging stream, so its DMA waits for nothing but `ready`: like every
+        # other path, nothing of a reload starts before the work the caller queued before it.
+        if ready is not None:
+            self.staging_stream.wait_event(ready)
+        with torch.cuda.stream(self.staging_stream):
+            staging = torch.empty((count, fmt.page_bytes), dtype=torch.uint8, device=self.device)
+        staging.record_stream(stream)
         pairs = torch.empty_like(slots)  # (device slot, staging row) of every page
         pairs[0].copy_(slots[0])
         torch.arange(count, out=pairs[1])
         keep.extend((staging, pairs))
         record = Region(0, fmt.page_bytes, 0)
         whole = PieceCopy(record, record, 1, fmt.page_bytes, False)
-        rows = np.arange(count, dtype=np.int64)
-        self._batch_copy(stream, [expand_copies(whole, self._host_pointer(), staging.data_ptr(), host_idx, rows)])
-        events = []
-        for layer in range(fmt.num_layers):
-            self._launch_convert(stream, "upcast", pairs, count, range(layer, layer + 1), records=staging.data_ptr())
-            events.append(self._land_layer(stream, layer, slots[0]))
-        return events
+        host, base = self._host_pointer(), staging.data_ptr()
+        chunk = -(-count // min(STAGED_CHUNKS, count))
+        for first in range(0, count, chunk):
+            rows = np.arange(first, min(first + chunk, count), dtype=np.int64)
+            self._batch_copy(self.staging_stream, [expand_copies(whole, host, base, host_idx[rows], rows)])
+            landed = torch.cuda.Event()
+            landed.record(self.staging_stream)
+            keep.append(landed)
+            stream.wait_event(landed)
+            self._launch_convert(
+                stream, "upcast", pairs[:, first : first + rows.size], rows.size, range(fmt.num_layers), records=base
+            )
+        return [self._land_layer(stream, layer, slots[0]) for layer in range(fmt.num_layers)]
 
     def _launch_convert(
         self, stream, op: str, slots: torch.Tensor, num_pages: int, layers: range, records: int | None = None
