@@ -100,7 +100,7 @@ def test_failed_backups_are_counted_kept_dirty_and_retried(tmp_path, gen):
     s = pool.stats()
     assert s["remote_failures"]["write"] == 8 and s["pages_moved"].get("host_to_remote", 0) == 0
     assert s["states"]["host"]["dirty"] == 8
-    pool.remote.faults._armed.clear()
+    pool.remote.faults.disarm()
     pool.flush()  # the retry
     s = pool.stats()
     assert s["pages_moved"]["host_to_remote"] == 8 and s["states"]["host"]["dirty"] == 0
