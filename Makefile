@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps nixl-cu13==1.5.1
-	$(PY) -m pip install -q -e ".[test,bench,triton]"
+	$(PY) -m pip install -q -e ".[test,bench,triton]" "crc32c>=2.4"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -31,11 +31,14 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
-from kvtier.tiers.remote import RemoteStore, load_nixl_api
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a source checkout too
+
+from kvtier.tiers.remote import RemoteStore, load_nixl_api  # noqa: E402
 
 try:
     from tqdm import tqdm

@@ -420,6 +420,14 @@ def test_missing_nixl_raises_remote_unavailable_with_the_install_line(tmp_path, 
         RemoteStore(tmp_path, namespace=NS, page_bytes=PAGE)
 
 
+def test_missing_crc32c_raises_remote_unavailable_with_the_install_line(tmp_path, monkeypatch):
+    import kvtier.tiers.remote as remote
+
+    monkeypatch.setattr(remote, "crc32c", None)
+    with pytest.raises(RemoteUnavailable, match="crc32c.*pip install --no-deps nixl-cu13==1.5.1 numpy crc32c"):
+        RemoteStore(tmp_path, namespace=NS, page_bytes=PAGE)
+
+
 def test_bad_arguments_name_the_value_and_the_expectation(open_store, tmp_path):
     with pytest.raises(ValueError, match="'xyz'.*hex"):
         open_store(namespace="xyz")

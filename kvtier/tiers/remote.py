@@ -29,18 +29,18 @@ second descriptor for the header stream was measured and gave nothing (kernel re
 
 Record header (64 bytes, little endian): magic ``KVTP``, format version, header size, namespace
 fingerprint (blake2b-128), key digest (blake2b-128), payload length, write token (random 63-bit,
-also in the index), payload crc32, crc32 of the header. A read moves each header into a staging
+also in the index), payload CRC32C, CRC32C of the header. A read moves each header into a staging
 array and each payload straight into the caller's buffer, then checks every header field against
-the index and the crc32 of the caller's buffer. Any mismatch is a miss: ``corrupt_reads`` if the
+the index and the CRC32C of the caller's buffer. Any mismatch is a miss: ``corrupt_reads`` if the
 index still names that record (which is then unpublished), ``raced_reads`` if the key was
 rewritten or removed meanwhile. On a miss the caller's buffer content is unspecified.
 
 Data path and measured choices (2 vCPU VM, virtio disk of about 1.5 GB/s write and 1.9 GB/s
 read; ``benchmarks/remote_bandwidth.py``):
 - A batch moves in NIXL requests of up to ``pipeline_bytes`` (default 8 MiB), never one per page:
-  the checksum threads seal request k+1 (crc32, headers) while request k moves, and check request
-  k while k+1 moves. zlib's crc32 runs at about 2.3 GB/s a core and releases the GIL, and so does
-  NIXL while it moves bytes. One request per 64 MiB batch read 64 KiB pages cold at 0.88 GB/s,
+  the checksum threads seal request k+1 (CRC32C, headers) while request k moves, and check request
+  k while k+1 moves. The crc32c package (CPU CRC instructions) runs at about 15 GB/s a core and
+  releases the GIL, and so does NIXL while it moves bytes. One request per 64 MiB batch read 64 KiB pages cold at 0.88 GB/s,
   8 MiB requests at 1.32 GB/s (4 MiB: the same; 16 MiB: 1.17).
 - After each write request, ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts writeback of the
   bytes it dirtied (RocksDB's ``bytes_per_sync``), so the device works while the next request is
@@ -52,10 +52,11 @@ read; ``benchmarks/remote_bandwidth.py``):
   them cost a quarter of warm-read speed).
 - Per page the Python bookkeeping on the calling thread costs about 7 us (index lookup 2-4 us,
   buffer checks, descriptors), which is what separates 64 KiB pages from large ones.
-- Warm reads (page cache) are bound by crc32: the raw baseline copies at 6 GB/s and checks
-  nothing; verifying is mandatory here, so expect about 2.3 GB/s per checksum thread available.
-Result on 2026-12-02 (512 MiB per size, medians of 3, store / plain Python): writes 0.92-1.02x;
-cold reads 0.68x at 64 KiB, 0.82-0.92x from 256 KiB to 4 MiB; warm reads 0.30-0.40x.
+- Checksums: zlib's crc32 (2.3 GB/s a core) held warm reads to 0.30-0.40x of the raw baseline,
+  which copies at 6 GB/s and checks nothing. CRC32C (format version 2) lifted them to 0.54-0.74x
+  and cold reads from 0.68-0.92x to 0.73-0.98x.
+Result on 2026-12-02 (512 MiB per size, medians of 3, store / plain Python): writes 0.98-1.28x;
+cold reads 0.73x at 64 KiB, 0.91-0.98x from 256 KiB to 4 MiB; warm reads 0.54-0.74x.
 
 Write protocol: reserve slots (index transaction; evicts if over the high watermark), move the
 records, ``fdatasync`` each touched segment, then publish (index transaction). A writer killed
@@ -66,7 +67,7 @@ earlier page's slot.
 
 Reader versus slot reuse: a freed slot is handed out again only after ``reuse_delay_s`` (default
 2 s), far longer than the gap between a reader's lookup and its transfer; a slower reader reads a
-record whose token, key digest or crc32 no longer match, which is a miss, never wrong bytes.
+record whose token, key digest or CRC32C no longer match, which is a miss, never wrong bytes.
 
 Capacity: ``capacity_bytes`` bounds the payload bytes published in the whole directory. The disk
 is shared, so eviction is store-wide LRU and may evict other namespaces' pages. When a put would
@@ -110,7 +111,6 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Callable, Optional, Sequence, Union
@@ -118,15 +118,21 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+try:
+    import crc32c  # hardware CRC32C: about 15 GB/s a core against zlib crc32's 2.3
+except ImportError:  # reported when a store is opened, like a missing NIXL
+    crc32c = None
+
 from kvtier.tiers.remote_index import PageLocation, RemoteIndex, SlotRef, make_owner
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1 numpy"
+INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1 numpy crc32c"
 NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api")
 BACKENDS = ("POSIX", "GDS", "GDS_MT", "OBJ")
 MAGIC = b"KVTP"
-FORMAT_VERSION = 1
+# 2: CRC32C (Castagnoli, SSE4.2 / ARMv8 CRC instructions) instead of zlib's crc32.
+FORMAT_VERSION = 2
 HEADER_BYTES = 64
 SLOT_ALIGN = 4096
 _HEADER_BODY = struct.Struct("<4sHH16s16sQQI")
@@ -151,6 +157,8 @@ class TransferFailed(RuntimeError):
 
 def load_nixl_api() -> ModuleType:
     """The NIXL Python API module: ``nixl_cu13._api``, else ``nixl_cu12._api``."""
+    if crc32c is None:
+        raise RemoteUnavailable(f"the remote tier checks pages with crc32c, which is not installed; install it with: {INSTALL_HINT}")
     errors = []
     for name in NIXL_MODULES:
         try:
@@ -213,7 +221,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _crc32_all(views: Sequence[ctypes.Array]) -> list[int]:
-    return [zlib.crc32(v) for v in views]
+    return [crc32c.crc32c(v) for v in views]
 
 
 class FaultInjector:
@@ -740,7 +748,7 @@ class RemoteStore:
         """Store pages; True where the page is durable and published.
 
         The batch moves in NIXL requests of up to ``pipeline_bytes``; the checksum threads seal
-        the next request's pages (crc32, record headers) while one moves. Then one
+        the next request's pages (CRC32C, record headers) while one moves. Then one
         ``fdatasync`` per touched segment and one index commit. A failed request fails the
         pages it carried (``write_failures``); pages beyond what the capacity can hold even
         after eviction are False (``rejected_writes``)."""
@@ -821,7 +829,7 @@ class RemoteStore:
         """Fill buffers with pages; True where the page was found and verified.
 
         The batch moves in NIXL requests of up to ``pipeline_bytes``; the checksum threads check
-        a request's pages (crc32, record headers) while the next one moves. A page that is
+        a request's pages (CRC32C, record headers) while the next one moves. A page that is
         absent, of another size, fails its check, or was carried by a failed request is a miss;
         its buffer content is then unspecified."""
         self._check_open()
@@ -974,7 +982,7 @@ class RemoteStore:
 
     def _job(self, fn: Callable, args: tuple, pipelined: bool) -> Future:
         """Run ``fn(*args)`` on the checksum threads when another request of the batch can move
-        meanwhile, else now (where it splits its crc32 work across the threads)."""
+        meanwhile, else now (where it splits its CRC32C work across the threads)."""
         if pipelined:
             return self._checksum_pool.submit(fn, *args)
         job: Future = Future()
@@ -982,8 +990,9 @@ class RemoteStore:
         return job
 
     def _checksums(self, ptrs: Sequence[int]) -> list[int]:
-        """crc32 of pages; on a caller thread, large work is split across the checksum threads
-        (zlib releases the GIL). On a checksum thread it runs there: that is the pipeline."""
+        """CRC32C of pages; on a caller thread, large work is split across the checksum threads
+        (crc32c releases the GIL on large buffers). On a checksum thread it runs there: that is
+        the pipeline."""
         views = [_view(p, self.page_bytes) for p in ptrs]
         if (
             threading.current_thread().name.startswith(_CHECKSUM_THREAD_PREFIX)
@@ -1001,7 +1010,7 @@ class RemoteStore:
     def _seal(
         self, names: Sequence[bytes], tokens: Sequence[int], ptrs: Sequence[int]
     ) -> tuple[list[int], np.ndarray]:
-        """crc32 and record headers of pages about to be written."""
+        """CRC32C and record headers of pages about to be written."""
         crcs = self._checksums(ptrs)
         packed = bytearray(b"".join(map(self._header, names, tokens, crcs)))
         return crcs, np.frombuffer(packed, dtype=np.uint8).reshape(len(names), HEADER_BYTES)
@@ -1013,7 +1022,7 @@ class RemoteStore:
         headers: np.ndarray,
         ptrs: Sequence[int],
     ) -> list[bool]:
-        """Whether each page just read has the record header and crc32 the index promises."""
+        """Whether each page just read has the record header and CRC32C the index promises."""
         crcs = self._checksums(ptrs)
         got = headers.tobytes()
         return [
@@ -1028,7 +1037,7 @@ class RemoteStore:
             MAGIC, FORMAT_VERSION, HEADER_BYTES, self._ns_fingerprint, _digest(key),
             self.page_bytes, token, crc,
         )
-        return body + _HEADER_CRC.pack(zlib.crc32(body))
+        return body + _HEADER_CRC.pack(crc32c.crc32c(body))
 
     def _classify_bad_reads(self, bad: list[tuple[bytes, PageLocation]]) -> None:
         """A bad record the index still names is corrupt (unpublish it); one whose key moved
@@ -1036,7 +1045,7 @@ class RemoteStore:
         for key, location in bad:
             if self._index.drop_if_current(self.namespace, key, location.token):
                 logger.warning(
-                    "remote page %r in segment %d slot %d failed its header/crc32 check; dropped",
+                    "remote page %r in segment %d slot %d failed its header/CRC32C check; dropped",
                     key, location.seg, location.slot,
                 )
                 self._count(corrupt_reads=1)
