@@ -1,7 +1,6 @@
 """TieredPool with the remote tier: real NIXL, real files."""
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 pytest.importorskip("nixl_cu13")

@@ -18,10 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvtier.format import FP8_MAX, PageFormat  # noqa: E402
+from kvtier.format import PageFormat  # noqa: E402
 from kvtier.tiers import DeviceTier, HostTier  # noqa: E402
 from kvtier.transfer import TorchEngine  # noqa: E402
 from kvtier.transfer.cuda_engine import CudaEngine  # noqa: E402
+from tests.gpu.random_tiers import fill_random  # noqa: E402
 
 FORMATS = [
     PageFormat(2, 2, 64, 4),  # copy w16
@@ -37,23 +38,6 @@ FORMATS = [
 DEVICE_PAGES, HOST_PAGES = 10, 12
 
 
-def fill(dev: DeviceTier, host: HostTier, gen: torch.Generator) -> None:
-    fmt = dev.fmt
-    if fmt.device_dtype in ("bf16", "fp16"):
-        dev.kv.copy_((torch.rand(dev.kv.shape, generator=gen) * 4 - 2).to(dev.kv.dtype))
-    else:
-        dev.kv.view(torch.uint8).copy_(torch.randint(0, 256, dev.kv.shape, generator=gen, dtype=torch.uint8))
-    if dev.scales is not None:
-        dev.scales.copy_(torch.rand(dev.scales.shape, generator=gen) + 0.5)
-    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=gen, dtype=torch.uint8))
-    if fmt.has_scales:
-        for layer in range(fmt.num_layers):
-            for plane in range(fmt.planes):
-                view = host.data_view(layer, plane)
-                view.copy_(((torch.rand(view.shape, generator=gen) * 2 - 1) * FP8_MAX[fmt.dtype]).to(fmt.torch_dtype))
-                host.scale_view(layer, plane).fill_(0.015625)
-
-
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.cpu().contiguous().view(-1).view(torch.uint8), b.cpu().contiguous().view(-1).view(torch.uint8))
 
@@ -61,7 +45,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run(fmt: PageFormat) -> list[str]:
     gen = torch.Generator().manual_seed(3)
     cpu_dev, cpu_host = DeviceTier(fmt, DEVICE_PAGES, "cpu"), HostTier(fmt, HOST_PAGES, pin=False)
-    fill(cpu_dev, cpu_host, gen)
+    fill_random(cpu_dev, cpu_host, gen)
     dev, host = DeviceTier(fmt, DEVICE_PAGES, "cuda"), HostTier(fmt, HOST_PAGES, pin=True)
     dev.kv.copy_(cpu_dev.kv)
     if dev.scales is not None:

@@ -29,6 +29,7 @@ from kvtier.transfer.cuda_engine import (
     slot_runs,
     team_size,
 )
+from tests.gpu.random_tiers import fill_random
 
 PASSTHROUGH = [
     PageFormat(3, 2, 64, 16),
@@ -55,30 +56,8 @@ CONVERTING = [
 def _cpu_tiers(fmt: PageFormat, gen: torch.Generator, device_pages: int = 12, host_pages: int = 16):
     dev = DeviceTier(fmt, device_pages, "cpu")
     host = HostTier(fmt, host_pages, pin=False)
-    _fill_random(dev, host, gen)
+    fill_random(dev, host, gen)
     return dev, host
-
-
-def _fill_random(dev: DeviceTier, host: HostTier, gen: torch.Generator) -> None:
-    """Random, never-zero contents: wide dtypes as values, fp8 as valid codes, scales > 0."""
-    fmt = dev.fmt
-    if fmt.device_dtype in ("bf16", "fp16"):
-        magnitude = torch.rand(dev.kv.shape, generator=gen) * 3 + 0.01
-        sign = torch.randint(0, 2, dev.kv.shape, generator=gen) * 2 - 1
-        dev.kv.copy_((magnitude * sign).to(dev.kv.dtype))
-    else:
-        dev.kv.view(torch.uint8).copy_(torch.randint(0, 256, dev.kv.shape, generator=gen, dtype=torch.uint8))
-    if dev.scales is not None:
-        dev.scales.copy_(torch.rand(dev.scales.shape, generator=gen) + 0.5)
-    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=gen, dtype=torch.uint8))
-    if fmt.has_scales:
-        for layer in range(fmt.num_layers):
-            for plane in range(fmt.planes):
-                view = host.data_view(layer, plane)
-                fmax = FP8_MAX[fmt.dtype]
-                values = (torch.rand(view.shape, generator=gen) * 2 - 1) * fmax
-                view.copy_(values.to(fmt.torch_dtype))
-                host.scale_view(layer, plane).copy_(torch.rand(host.scale_view(layer, plane).shape, generator=gen) + 0.25)
 
 
 def _clone(dev: DeviceTier, host: HostTier):
