@@ -276,7 +276,8 @@ class TieredPool:
                 # The loadable prefix may alternate between local and remote-only pages.
                 rest = keys[total:]
                 try:
-                    in_remote = self._mover.call(lambda store: store.contains(rest))
+                    # An index lookup, no I/O: asked here rather than queued behind backups.
+                    in_remote = self.remote.contains(rest)
                 except Exception:  # a failing remote tier is a miss, never an error for the engine
                     self.counters.remote_failures["read"] += len(rest)
                     in_remote = [False] * len(rest)

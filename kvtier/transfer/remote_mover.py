@@ -1,8 +1,9 @@
 """Moves pages between the host tier and the remote store on one background thread.
 
 Owns the worker thread, its bounded job queue and the tickets it hands back. Every call
-into the remote store goes through this one thread, so the store never sees two callers
-at once. The worker never takes the pool's lock: it only fills in results and marks the
+that moves bytes to or from the remote store goes through this one thread, in order;
+index-only queries (`contains`) are made by the pool directly, since the store's index is
+thread-safe and they should not wait behind queued backups. The worker never takes the pool's lock: it only fills in results and marks the
 ticket done; the pool applies them when it reaps the ticket. It must never decide which
 pages move, nor touch the pool's indexes.
 """
@@ -58,14 +59,6 @@ class RemoteMover:
         ticket = RemoteTicket(self.num_layers)
         self._jobs.put((ticket, fn, args))
         return ticket
-
-    def call(self, fn, *args):
-        """Run `fn(store, *args)` on the worker and wait for its result."""
-        ticket = self.submit(fn, *args)
-        ticket.synchronize()
-        if ticket.error is not None:
-            raise ticket.error
-        return ticket.result
 
     def _run(self) -> None:
         while True:
