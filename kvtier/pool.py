@@ -101,6 +101,7 @@ class TieredPool:
     engine's way of moving bytes ("auto", "kernel", "copy_engine", "staged", "torch").
     remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
     RemoteStore the caller owns (same page size and namespace as this pool).
+    host_bytes, when given, sizes the host tier in bytes (whole pages) instead of host_pages.
     """
 
     def __init__(
@@ -121,9 +122,14 @@ class TieredPool:
         remote=None,
         remote_capacity_bytes: int | None = None,
         remote_queue_depth: int = 64,
+        host_bytes: int | None = None,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
+        if host_bytes is not None:
+            if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < fmt.page_bytes:
+                raise ValueError(f"host_bytes must be an int of at least one page ({fmt.page_bytes} bytes), got {host_bytes!r}")
+            host_pages = host_bytes // fmt.page_bytes
         self.fmt = fmt
         self.write_policy = WritePolicy(write_policy)
         self.namespace = Namespace(model, fmt.fingerprint, rank)

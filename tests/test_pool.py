@@ -248,6 +248,14 @@ def test_bad_inputs_give_clear_errors(registry, gen):
         pool.allocate(1)
 
 
+def test_host_tier_sized_in_bytes(registry):
+    fmt = small_format()
+    pool = make_pool(registry, fmt, host_bytes=10 * fmt.page_bytes + 7)
+    assert pool.host_tier.num_pages == 10 and pool.stats()["states"]["host"]["free"] == 10
+    with pytest.raises(ValueError, match="host_bytes must be an int of at least one page"):
+        make_pool(registry, fmt, host_bytes=fmt.page_bytes - 1)
+
+
 def test_illegal_transition_raises(registry):
     from kvtier.index import IllegalTransition
 
