@@ -245,19 +245,16 @@ class TieredPool:
                         f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
                     )
             self._ready = self.engine.record_ready()
-            table, htable = dev.table, host.table
-            fresh_keys, fresh_slots = [], []
+            table = dev.table
+            fresh_keys, fresh_slots, clean, dirty = [], [], [], []
             for key, slot in zip(keys, slots):
                 if key in table:
                     continue
                 fresh_keys.append(key)
                 fresh_slots.append(slot)
-            if len(set(fresh_keys)) != len(fresh_keys):
-                raise ValueError("commit: keys must not repeat within one call")
+                (clean if host.readable_slot(key) is not None else dirty).append(slot)
             self.counters.duplicate_commits += len(keys) - len(fresh_keys)
             dev.bind_all(fresh_slots, fresh_keys)
-            clean = [s for k, s in zip(fresh_keys, fresh_slots) if k in htable and host.readable_slot(k) is not None]
-            dirty = [s for k, s in zip(fresh_keys, fresh_slots) if k not in htable or host.readable_slot(k) is None]
             dev.set_states(clean, S.RESIDENT)
             dev.set_states(dirty, S.DIRTY)
             if dirty and self.write_policy.copy_on_commit():
