@@ -41,7 +41,6 @@ ALLOWED: dict[PageState, frozenset[PageState]] = {
 # ALLOWED as a matrix, for the hot path: LEGAL[old][new].
 LEGAL = [[new in ALLOWED[old] for new in PageState] for old in PageState]
 READABLE = frozenset({S.RESIDENT, S.DIRTY, S.OFFLOADING})
-KEYED = frozenset({S.LOADING, S.RESIDENT, S.DIRTY, S.OFFLOADING})
 
 
 class IllegalTransition(RuntimeError):

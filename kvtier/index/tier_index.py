@@ -9,7 +9,7 @@ the pool serializes calls.
 from __future__ import annotations
 
 from kvtier.index.eviction import EvictionPolicy
-from kvtier.index.states import KEYED, LEGAL, PageState, check_transition
+from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
 _EVICTABLE = (PageState.RESIDENT, PageState.DIRTY)
 _IS_EVICTABLE = [s in _EVICTABLE for s in PageState]
@@ -90,19 +90,12 @@ class TierIndex:
             table[key] = slot
             slot_keys[slot] = key
 
-    def bind(self, slot: int, key) -> None:
-        if key in self.table:
-            raise ValueError(f"{self.name}: key {key!r} already in slot {self.table[key]}")
-        assert self.keys[slot] is None, f"{self.name} slot {slot} already keyed"
-        self.table[key] = slot
-        self.keys[slot] = key
-
     def lookup(self, key) -> int | None:
         return self.table.get(key)
 
     def readable_slot(self, key) -> int | None:
         slot = self.table.get(key)
-        if slot is None or self.state[slot] not in (PageState.RESIDENT, PageState.DIRTY, PageState.OFFLOADING):
+        if slot is None or self.state[slot] not in READABLE:
             return None
         return slot
 
@@ -125,17 +118,6 @@ class TierIndex:
             raise ValueError(f"{self.name} slot {slot} is not held by the engine (state {self.state[slot].name})")
         self.pins[slot] -= 1
         if not self.pins[slot]:
-            self._refresh(slot)
-
-    def hold(self, slot: int) -> None:
-        """A copy starts using the slot."""
-        self.busy[slot] += 1
-        self.policy.remove(slot)
-
-    def unhold(self, slot: int) -> None:
-        assert self.busy[slot] > 0, f"{self.name} slot {slot} has no copy in flight"
-        self.busy[slot] -= 1
-        if not self.busy[slot]:
             self._refresh(slot)
 
     def hold_all(self, slots, touch: bool = False) -> None:
@@ -167,16 +149,5 @@ class TierIndex:
             out.append(slot)
         return out
 
-    def is_keyed(self, slot: int) -> bool:
-        return self.state[slot] in KEYED
-
     def state_counts(self) -> dict[str, int]:
         return {s.name.lower(): self.counts[s] for s in PageState}
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self.policy)
