@@ -665,13 +665,22 @@ class TieredPool:
 
     # --- internals: copies -----------------------------------------------------------------
     def _copy_down(self, dev_slots: list[int], evicting: bool) -> list[int]:
-        """Offload dirty device pages to host. Returns the device slots whose copy is done
-        (evicting: waits for it) or submitted (not evicting)."""
+        """Offload dirty device pages to host. Returns the device slots now clean or whose copy
+        is done (evicting: waits for it) or submitted (not evicting)."""
         dev, host = self._dev, self._host
+        already = []
+        htable = host.table
+        if any(dev.keys[slot] in htable for slot in dev_slots):
+            # The host tier has (or is fetching from the remote tier) some of these pages:
+            # let fetches land, then those device pages are clean and need no copy.
+            self._drain()
+            already = [slot for slot in dev_slots if host.readable_slot(dev.keys[slot]) is not None]
+            dev.set_states(already, S.RESIDENT)
+            dev_slots = [slot for slot in dev_slots if dev.state[slot] == S.DIRTY]
         host_slots = self._take_host(len(dev_slots))
         moving = dev_slots[: len(host_slots)]
         if not moving:
-            return []
+            return already
         host.bind_all(host_slots, [dev.keys[slot] for slot in moving])
         dev.set_states(moving, S.OFFLOADING, busy_delta=1)
         host.hold_all(host_slots)
@@ -687,7 +696,7 @@ class TieredPool:
         self._submit(ticket, finish)
         if evicting:
             self._drain()
-        return moving
+        return already + moving
 
     def _copy_popular(self, dev_slots: list[int]) -> None:
         """write_through_selective: copy down the dirty pages that just reached enough hits."""

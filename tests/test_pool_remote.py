@@ -155,3 +155,29 @@ def test_threads_with_a_remote_tier_never_lose_or_mix_pages(tmp_path, policy):
     assert pool.stats()["pages_moved"]["remote_to_host"] > 0
     assert pool.flush() == 0
     pool.close()
+
+
+def test_committing_a_page_the_host_is_fetching_from_remote(tmp_path, gen):
+    pool = make_pool(tmp_path, model="m")
+    keys = prefix_keys(list(range(8 * 4)), 8, pool.namespace)
+    write(pool, keys, gen)
+    pool.close()
+    fmt = small_format()
+    store = RemoteStore(str(tmp_path), namespace=pool.namespace.digest, page_bytes=fmt.page_bytes, timeout_s=0.5)
+    again = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_through", remote=store,
+                       model="m", registry=CollectorRegistry())
+    store.faults.arm("timeout", count=1, op="READ")  # the fetch stays in flight for 0.5 s, then fails
+    ticket = again.prefetch_to_host(keys)
+    assert not ticket.done()
+    slots = again.allocate(4)  # the engine recomputes the same pages meanwhile
+    fill_random(again, slots, gen)
+    recomputed = {k: snapshot(again, s) for k, s in zip(keys, slots)}
+    assert again.commit(keys, slots) == 4  # write-through copies them down once the fetch has ended
+    again.release(slots)
+    s = again.stats()
+    assert s["pages_moved"]["device_to_host"] == 4
+    again.evict(tier="device")
+    check(again, keys, recomputed)
+    assert store.stats()["read_failures"] == 4  # the timed-out fetch was a miss, counted by the store
+    again.close()
+    store.close()
