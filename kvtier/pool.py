@@ -621,11 +621,19 @@ class TieredPool:
         """Bring remote pages into host slots.
 
         wait=True: returns {key: host slot} of the pages that arrived, each slot held
-        (busy) for the caller to release. wait=False: returns the ticket at once; the
-        pages become readable when the pool reaps it.
+        (busy) for the caller to release; raises PoolExhausted when the host tier cannot
+        take them all even after the copies in flight finish. wait=False (a prefetch hint):
+        fetches what fits and returns the ticket at once; the pages become readable when
+        the pool reaps it.
         """
         host, tier = self._host, self.host_tier
         slots = self._take_host(len(keys))
+        if wait and len(slots) < len(keys):
+            self._drain()  # copies in flight keep host slots busy; let them finish
+            slots += self._take_host(len(keys) - len(slots))
+            if len(slots) < len(keys):
+                host.set_states(slots, S.FREE)
+                raise PoolExhausted(self._exhausted("host", len(keys)))
         keys = keys[: len(slots)]
         host.bind_all(slots, keys)
         host.hold_all(slots)

@@ -360,6 +360,8 @@ def run_stress(pool, threads=4, iterations=60, lossless=False):
                 pick = list(dict.fromkeys(pick))
                 m = pool.match(pick)
                 assert 0 <= m.device <= m.total <= len(pick)
+                if pool.remote is not None and it % 3 == 0:
+                    pool.prefetch_to_host(mine[: 8 * (it // 3 + 1)])  # old pages, racing the loads
                 try:
                     handle = pool.load(pick)
                 except KeyError:

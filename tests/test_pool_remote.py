@@ -181,3 +181,20 @@ def test_committing_a_page_the_host_is_fetching_from_remote(tmp_path, gen):
     assert store.stats()["read_failures"] == 4  # the timed-out fetch was a miss, counted by the store
     again.close()
     store.close()
+
+
+def test_a_load_larger_than_the_host_tier_says_so(tmp_path, gen):
+    from kvtier import PoolExhausted
+
+    pool = make_pool(tmp_path, model="m", device_pages=16, host_pages=16)
+    keys = prefix_keys(list(range(8 * 8)), 8, pool.namespace)
+    write(pool, keys, gen)
+    pool.close()
+    small = make_pool(tmp_path, model="m", device_pages=16, host_pages=4)
+    assert small.match(keys).remote == 8
+    with pytest.raises(PoolExhausted, match="host tier: need 8 slots"):
+        small.load(keys)  # in the remote tier, but 8 pages cannot pass through 4 host slots at once
+    handle = small.load(keys[:4])
+    handle.wait()
+    assert len(handle.slots) == 4
+    small.close()
