@@ -238,12 +238,7 @@ class TieredPool:
             self._check_open()
             self._reap()
             dev, host = self._dev, self._host
-            for slot in slots:
-                if dev.state[slot] != S.FILLING or dev.keys[slot] is not None or not dev.pins[slot]:
-                    raise ValueError(
-                        f"commit: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
-                        f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
-                    )
+            self._check_fresh("commit", slots)
             self._ready = self.engine.record_ready()
             table = dev.table
             fresh_keys, fresh_slots, clean, dirty = [], [], [], []
@@ -329,12 +324,7 @@ class TieredPool:
             self._reap()
             dev, host = self._dev, self._host
             if slots is not None:
-                for slot in slots:
-                    if dev.state[slot] != S.FILLING or dev.keys[slot] is not None or not dev.pins[slot]:
-                        raise ValueError(
-                            f"load: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
-                            f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
-                        )
+                self._check_fresh("load", slots)
             on_device, on_host, elsewhere, landing = self._classify(keys)
             if landing:  # pages still arriving in the host tier: let them land first
                 self._drain()
@@ -780,6 +770,16 @@ class TieredPool:
         if len(set(slots)) != len(slots):
             raise ValueError("slots must not repeat within one call")
         return slots
+
+    def _check_fresh(self, op: str, slots: list[int]) -> None:
+        """Every slot came from allocate, is still held by the engine and holds no page yet."""
+        dev = self._dev
+        for slot in slots:
+            if dev.state[slot] != S.FILLING or dev.keys[slot] is not None or not dev.pins[slot]:
+                raise ValueError(
+                    f"{op}: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
+                    f"it is {dev.state[slot].name} with {dev.pins[slot]} holds"
+                )
 
     def _check_pairs(self, keys, slots) -> tuple[list, list[int]]:
         keys = list(keys)
