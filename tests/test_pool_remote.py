@@ -30,6 +30,15 @@ def write(pool, keys, gen):
     return truth
 
 
+def stored_pages(tmp_path, gen, n):
+    """n pages written by a pool of model "m" that has since closed: they live in the store only."""
+    pool = make_pool(tmp_path, model="m")
+    keys = prefix_keys(list(range(8 * n)), 8, pool.namespace)
+    truth = write(pool, keys, gen)
+    pool.close()
+    return keys, truth, pool.namespace
+
+
 def check(pool, keys, truth):
     for i in range(0, len(keys), 6):
         batch = keys[i : i + 6]
@@ -110,10 +119,7 @@ def test_failed_backups_are_counted_kept_dirty_and_retried(tmp_path, gen):
 
 
 def test_read_failures_are_misses_and_the_pool_goes_on(tmp_path, gen):
-    pool = make_pool(tmp_path, model="m")
-    keys = prefix_keys(list(range(8 * 4)), 8, pool.namespace)
-    truth = write(pool, keys, gen)
-    pool.close()
+    keys, truth, _ = stored_pages(tmp_path, gen, 4)
     again = make_pool(tmp_path, model="m")
     again.remote.faults.arm("error", count=1, op="READ")
     with pytest.raises(KeyError, match="4 of 4 keys"):
@@ -124,10 +130,7 @@ def test_read_failures_are_misses_and_the_pool_goes_on(tmp_path, gen):
 
 
 def test_prefetch_to_host_runs_in_the_background(tmp_path, gen):
-    pool = make_pool(tmp_path, model="m")
-    keys = prefix_keys(list(range(8 * 5)), 8, pool.namespace)
-    truth = write(pool, keys, gen)
-    pool.close()
+    keys, truth, _ = stored_pages(tmp_path, gen, 5)
     again = make_pool(tmp_path, model="m")
     ticket = again.prefetch_to_host(keys)
     ticket.synchronize()
@@ -158,12 +161,9 @@ def test_threads_with_a_remote_tier_never_lose_or_mix_pages(tmp_path, policy):
 
 
 def test_committing_a_page_the_host_is_fetching_from_remote(tmp_path, gen):
-    pool = make_pool(tmp_path, model="m")
-    keys = prefix_keys(list(range(8 * 4)), 8, pool.namespace)
-    write(pool, keys, gen)
-    pool.close()
+    keys, _, namespace = stored_pages(tmp_path, gen, 4)
     fmt = small_format()
-    store = RemoteStore(str(tmp_path), namespace=pool.namespace.digest, page_bytes=fmt.page_bytes, timeout_s=0.5)
+    store = RemoteStore(str(tmp_path), namespace=namespace.digest, page_bytes=fmt.page_bytes, timeout_s=0.5)
     again = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_through", remote=store,
                        model="m", registry=CollectorRegistry())
     store.faults.arm("timeout", count=1, op="READ")  # the fetch stays in flight for 0.5 s, then fails
@@ -186,10 +186,7 @@ def test_committing_a_page_the_host_is_fetching_from_remote(tmp_path, gen):
 def test_a_load_larger_than_the_host_tier_says_so(tmp_path, gen):
     from kvtier import PoolExhausted
 
-    pool = make_pool(tmp_path, model="m", device_pages=16, host_pages=16)
-    keys = prefix_keys(list(range(8 * 8)), 8, pool.namespace)
-    write(pool, keys, gen)
-    pool.close()
+    keys, _, _ = stored_pages(tmp_path, gen, 8)
     small = make_pool(tmp_path, model="m", device_pages=16, host_pages=4)
     assert small.match(keys).remote == 8
     with pytest.raises(PoolExhausted, match="host tier: need 8 slots"):
