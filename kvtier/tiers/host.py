@@ -74,6 +74,6 @@ class HostTier:
 
 
 def _release(mapping: mmap.mmap, registered_ptr: int | None) -> None:
+    """Unregister; `mapping` is an argument only so the finalizer keeps it mapped until now."""
     if registered_ptr is not None:
         torch.cuda.cudart().cudaHostUnregister(registered_ptr)
-    del mapping
