@@ -323,7 +323,7 @@ def test_reload_transform_runs_on_landed_pages(registry, gen):
 
 def _page_for(pool, key):
     """Deterministic page content of a key, so any thread can check any page."""
-    g = torch.Generator().manual_seed(int(key[:12], 16))
+    g = torch.Generator().manual_seed(int.from_bytes(key[:6], "little"))
     fmt = pool.fmt
     data = (torch.randn(fmt.num_layers, fmt.planes, *fmt.plane_shape, generator=g) * 3).to(fmt.device_torch_dtype)
     scales = torch.rand(fmt.num_layers, fmt.planes, *fmt.scale_shape, generator=g) + 0.01
