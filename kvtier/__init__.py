@@ -1,7 +1,7 @@
 """kvtier: a hierarchical KV-cache page store (device -> pinned host -> remote) for LLM inference."""
 
 from kvtier.format import PageFormat, dequantize, quantize
-from kvtier.index import Namespace, PageState, prefix_keys
+from kvtier.index import Namespace, PageState, key_id, key_ids, prefix_keys
 from kvtier.pool import LoadHandle, MatchResult, PoolExhausted, TieredPool
 
 __all__ = [
@@ -13,6 +13,8 @@ __all__ = [
     "PoolExhausted",
     "TieredPool",
     "dequantize",
+    "key_id",
+    "key_ids",
     "prefix_keys",
     "quantize",
 ]

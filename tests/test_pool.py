@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from kvtier import Namespace, PageFormat, PageState, PoolExhausted, TieredPool, dequantize, prefix_keys, quantize
+from kvtier import Namespace, PageFormat, PageState, PoolExhausted, TieredPool, dequantize, key_id, prefix_keys, quantize
 from tests.conftest import DTYPE_SCALES, fill_random, poison, small_format, snapshot
 
 
@@ -77,7 +77,7 @@ def test_bf16_device_over_fp8_storage_quantizes_down_and_upcasts_up(registry, ge
     pool.release(slots)
     pool.evict(tier="device")
     host = pool.host_tier
-    hslots = [pool._host.lookup(k) for k in keys]
+    hslots = [pool._host.lookup(key_id(k)) for k in keys]
     for layer in range(fmt.num_layers):
         for plane in range(2):
             q_ref, s_ref = quantize(originals[layer, plane], "fp8_e4m3", scale, layout)
@@ -121,7 +121,7 @@ def test_write_through_selective_copies_after_two_hits_and_drops_the_rest(regist
     assert pool.stats()["pages_moved"]["device_to_host"] == 1
     assert pool.evict(tier="device") == 4
     s = pool.stats()
-    assert s["dropped"] == 3 and s["pages_moved"]["device_to_host"] == 1
+    assert s["dropped"] == {"selective": 3} and s["pages_moved"]["device_to_host"] == 1
     m = pool.match(keys)
     assert (m.device, m.host, m.total) == (0, 1, 1)
 
@@ -147,7 +147,7 @@ def test_lru_evicts_least_recently_used_first(registry, gen):
         write_pages(pool, [k], gen)
     pool.match([keys[0]])  # keys[0] is now the most recent
     pool.allocate(2)  # evicts two: keys[1], keys[2]
-    on_device = [k for k in keys if pool._dev.lookup(k) is not None]
+    on_device = [k for k in keys if pool._dev.lookup(key_id(k)) >= 0]
     assert on_device == [keys[0], keys[3]]
 
 
@@ -160,7 +160,7 @@ def test_write_back_under_pressure_loses_nothing(registry, gen):
     assert pool.match(keys).total == 64
     for i in range(0, 64, 8):
         load_and_check(pool, keys[i : i + 8], expected)
-    assert pool.stats()["dropped"] == 0
+    assert pool.stats()["dropped"] == {}
 
 
 def test_host_eviction_makes_the_device_copy_dirty_again(registry, gen):
@@ -188,7 +188,7 @@ def test_acquired_pages_are_never_evicted(registry, gen):
     keys = keys_for(pool, 4)
     write_pages(pool, keys, gen)
     slots = pool.acquire(keys[:2])
-    assert slots == [pool._dev.lookup(k) for k in keys[:2]]
+    assert slots == [pool._dev.lookup(key_id(k)) for k in keys[:2]]
     assert pool.evict(tier="device") == 2
     assert pool.match(keys).device == 2
     pool.release(slots)

@@ -2,18 +2,22 @@
 
 Owns the order of evictable slots only. The index tells a policy when a slot becomes
 evictable (`add`), stops being evictable (`remove`) and is used (`touch`); the policy
-never decides whether a slot may be evicted. New policies (ARC, S3-FIFO) implement the
-same four methods.
+never decides whether a slot may be evicted. Every method is O(1) per slot and `victims(n)`
+reads at most n entries, whatever the tier's size. New policies (ARC, S3-FIFO) implement the
+same five methods.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Iterator
+
+from kvtier.index.slot_list import SlotList
 
 
 class EvictionPolicy(ABC):
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
     @abstractmethod
     def add(self, slot: int) -> None:
         """`slot` became evictable."""
@@ -27,41 +31,33 @@ class EvictionPolicy(ABC):
         """`slot` was used; it may or may not be evictable now."""
 
     @abstractmethod
-    def order(self) -> Iterator[int]:
-        """Evictable slots, first victim first."""
+    def victims(self, n: int) -> list[int]:
+        """Up to n evictable slots, first victim first."""
 
     @abstractmethod
     def __len__(self) -> int: ...
 
+    @abstractmethod
+    def __contains__(self, slot: int) -> bool: ...
 
-class LRUPolicy(EvictionPolicy):
-    """Least recently used first; a slot that becomes evictable counts as just used."""
 
-    def __init__(self) -> None:
-        self._slots: OrderedDict[int, None] = OrderedDict()
+class LRUPolicy(SlotList, EvictionPolicy):
+    """Least recently used first; a slot that becomes evictable counts as just used.
 
-    def add(self, slot: int) -> None:
-        self._slots[slot] = None
-        self._slots.move_to_end(slot)
+    The order is a SlotList: add appends (or moves to the end), remove unlinks, touch moves a
+    listed slot to the end, victims reads from the front.
+    """
 
-    def remove(self, slot: int) -> None:
-        self._slots.pop(slot, None)
-
-    def touch(self, slot: int) -> None:
-        if slot in self._slots:
-            self._slots.move_to_end(slot)
-
-    def order(self) -> Iterator[int]:
-        return iter(list(self._slots))
-
-    def __len__(self) -> int:
-        return len(self._slots)
+    add = SlotList.append
+    remove = SlotList.discard
+    touch = SlotList.move_to_end
+    victims = SlotList.first
 
 
 POLICIES = {"lru": LRUPolicy}
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
     if name not in POLICIES:
         raise ValueError(f"eviction policy must be one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name]()
+    return POLICIES[name](capacity)

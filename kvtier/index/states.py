@@ -34,9 +34,12 @@ ALLOWED: dict[PageState, frozenset[PageState]] = {
     S.LOADING: frozenset({S.FREE, S.RESIDENT, S.DIRTY}),
     # RESIDENT -> DIRTY when the tier below evicts its copy.
     S.RESIDENT: frozenset({S.FREE, S.DIRTY}),
-    # DIRTY -> FREE is a deliberate drop (write_through_selective), never under write_back.
+    # DIRTY -> FREE is a deliberate, counted drop: write_through_selective's unpopular pages, or
+    # pages that could not be made durable while the tier below was failing.
     S.DIRTY: frozenset({S.OFFLOADING, S.RESIDENT, S.FREE}),
-    S.OFFLOADING: frozenset({S.RESIDENT, S.DIRTY}),
+    # OFFLOADING -> FREE / FILLING: the copy could not encode the page (NaN or Inf under fp8
+    # storage), so it leaves the cache; a slot the engine still holds goes back to FILLING.
+    S.OFFLOADING: frozenset({S.RESIDENT, S.DIRTY, S.FREE, S.FILLING}),
 }
 # ALLOWED as a matrix, for the hot path: LEGAL[old][new].
 LEGAL = [[new in ALLOWED[old] for new in PageState] for old in PageState]

@@ -1,34 +1,67 @@
-"""The page table of one tier: key -> slot, slot states, pins, free list, eviction order.
+"""The page table of one tier: key id -> slot, slot states, pins, free list, eviction order.
 
-Owns every fact about a tier's slots. A slot is evictable exactly when it is keyed and
-readable (RESIDENT or DIRTY), no engine holds it (`pins`), and no copy uses it (`busy`);
-the eviction policy sees exactly those slots. It must never move bytes or take locks:
-the pool serializes calls.
+Owns every fact about a tier's slots, in flat arrays (no Python object per slot): about 70
+bytes per slot whatever the tier holds, and every operation O(the slots it is given), never
+O(capacity). A slot is evictable exactly when it is keyed and readable (RESIDENT or DIRTY),
+no engine holds it (`pins`) and no copy uses it (`busy`); the eviction policy sees exactly
+those slots. DIRTY slots are also kept on a list of their own, so finding what is not yet
+durable costs O(dirty pages). Counts of slots per state, held and busy are kept as they
+change, so statistics cost O(1).
+
+It must never move bytes or take locks: the pool serializes calls.
 """
 
 from __future__ import annotations
 
+from array import array
+
 from kvtier.index.eviction import EvictionPolicy
+from kvtier.index.key_table import KeyTable
+from kvtier.index.slot_list import SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
-_EVICTABLE = (PageState.RESIDENT, PageState.DIRTY)
-_IS_EVICTABLE = [s in _EVICTABLE for s in PageState]
+S = PageState
+_EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
+_READABLE = [s in READABLE for s in PageState]
+_HITS_MAX = 255
 
 
 class TierIndex:
     def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
+        if policy.capacity != capacity:
+            raise ValueError(f"{name}: eviction policy sized for {policy.capacity} slots, tier has {capacity}")
         self.name = name
         self.capacity = capacity
         self.policy = policy
-        self.table: dict = {}
-        self.keys: list = [None] * capacity
-        self.state: list[PageState] = [PageState.FREE] * capacity
-        self.pins = [0] * capacity  # engine holds (allocate, acquire, load), dropped by release
-        self.busy = [0] * capacity  # copies in flight that read or write the slot
-        self.hits = [0] * capacity
-        self.free: list[int] = list(range(capacity - 1, -1, -1))
+        self.table = KeyTable(capacity)
+        self.state = bytearray(capacity)  # PageState values; FREE is 0
+        self.pins = array("i", [0]) * capacity  # engine holds (allocate, acquire, load), dropped by release
+        self.busy = array("i", [0]) * capacity  # copies in flight that read or write the slot
+        self.hits = bytearray(capacity)  # uses, saturating at 255 (write policies look for >= 2)
+        self.dirty = SlotList(capacity)
+        self.free = array("i", range(capacity - 1, -1, -1))  # a stack: slot 0 is handed out first
         self.counts = [0] * len(PageState)
-        self.counts[PageState.FREE] = capacity
+        self.counts[S.FREE] = capacity
+        self.held = 0  # slots with pins > 0
+        self.busy_slots = 0  # slots with busy > 0
+
+    # --- lookups -----------------------------------------------------------------------------
+    def lookup(self, kid: bytes) -> int:
+        """The slot keyed by `kid` in any state, or -1."""
+        return self.table.get(kid)
+
+    def readable_slot(self, kid: bytes) -> int:
+        """The slot keyed by `kid` if its bytes are readable now, else -1."""
+        slot = self.table.get(kid)
+        if slot >= 0 and not _READABLE[self.state[slot]]:
+            return -1
+        return slot
+
+    def id_of(self, slot: int) -> bytes:
+        return self.table.id_of(slot)
+
+    def evictable(self, slot: int) -> bool:
+        return slot in self.policy
 
     # --- state ---------------------------------------------------------------------------
     def set_state(self, slot: int, new: PageState) -> None:
@@ -38,28 +71,39 @@ class TierIndex:
         """Move every slot to `new` (each transition checked), and change its copies in
         flight by `busy_delta` (+1: a copy starts using it, -1: a copy finished).
 
-        One loop for the whole batch: this is the pool's hot path.
+        One loop for the whole batch: this is the pool's hot path. Moving to FREE forgets the
+        key and returns the slot to the free list.
         """
         state, counts, pins, busy = self.state, self.counts, self.pins, self.busy
         legal = [row[new] for row in LEGAL]
         add, remove = self.policy.add, self.policy.remove
-        evictable = _IS_EVICTABLE[new]
-        freeing = new == PageState.FREE
+        evictable = _EVICTABLE[new]
+        freeing = new == S.FREE
+        dirty = self.dirty
+        into_dirty = new == S.DIRTY
         for slot in slots:
             old = state[slot]
             if not legal[old]:
-                check_transition(self.name, slot, old, new)
+                check_transition(self.name, slot, PageState(old), new)
             state[slot] = new
             counts[old] -= 1
             counts[new] += 1
+            if old == S.DIRTY:
+                dirty.discard(slot)
+            if into_dirty:
+                dirty.append(slot)
             if busy_delta:
-                busy[slot] += busy_delta
-                assert busy[slot] >= 0, f"{self.name} slot {slot} has no copy in flight"
+                before = busy[slot]
+                after = before + busy_delta
+                assert after >= 0, f"{self.name} slot {slot} has no copy in flight"
+                busy[slot] = after
+                if not before:
+                    self.busy_slots += 1
+                elif not after:
+                    self.busy_slots -= 1
             if freeing:
-                key = self.keys[slot]
-                if key is not None:
-                    del self.table[key]
-                    self.keys[slot] = None
+                assert not pins[slot] and not busy[slot], f"{self.name} slot {slot} freed while held or busy"
+                self.table.unbind(slot)
                 self.hits[slot] = 0
                 self.free.append(slot)
             if evictable and not pins[slot] and not busy[slot]:
@@ -68,7 +112,7 @@ class TierIndex:
                 remove(slot)
 
     def _refresh(self, slot: int) -> None:
-        if self.state[slot] in _EVICTABLE and not self.pins[slot] and not self.busy[slot]:
+        if _EVICTABLE[self.state[slot]] and not self.pins[slot] and not self.busy[slot]:
             self.policy.add(slot)
         else:
             self.policy.remove(slot)
@@ -76,78 +120,71 @@ class TierIndex:
     # --- slots ---------------------------------------------------------------------------
     def take_free(self, n: int, state: PageState) -> list[int]:
         """Up to n free slots, moved to `state` (FILLING or LOADING)."""
-        take = min(n, len(self.free))
-        slots = self.free[len(self.free) - take :][::-1]
-        del self.free[len(self.free) - take :]
+        free = self.free
+        take = min(n, len(free))
+        if not take:
+            return []
+        slots = free[len(free) - take :].tolist()
+        slots.reverse()
+        del free[len(free) - take :]
         self.set_states(slots, state)
         return slots
 
-    def bind_all(self, slots, keys) -> None:
-        table, slot_keys = self.table, self.keys
-        for slot, key in zip(slots, keys):
-            if key in table:
-                raise ValueError(f"{self.name}: key {key!r} already in slot {table[key]}")
-            table[key] = slot
-            slot_keys[slot] = key
-
-    def lookup(self, key) -> int | None:
-        return self.table.get(key)
-
-    def readable_slot(self, key) -> int | None:
-        slot = self.table.get(key)
-        if slot is None or self.state[slot] not in READABLE:
-            return None
-        return slot
-
-    def leading(self, keys) -> int:
-        """How many leading keys are keyed here (landing pages count: copies are ordered)."""
-        n = 0
-        table = self.table
-        for key in keys:
-            if key not in table:
-                break
-            n += 1
-        return n
+    def bind_all(self, slots, kids) -> None:
+        """Key each slot (FILLING or LOADING, unkeyed) with its id."""
+        bind = self.table.bind
+        for slot, kid in zip(slots, kids):
+            bind(kid, slot)
 
     def pin(self, slot: int) -> None:
+        if not self.pins[slot]:
+            self.held += 1
         self.pins[slot] += 1
         self.policy.remove(slot)
 
     def unpin(self, slot: int) -> None:
         if self.pins[slot] <= 0:
-            raise ValueError(f"{self.name} slot {slot} is not held by the engine (state {self.state[slot].name})")
+            raise ValueError(f"{self.name} slot {slot} is not held by the engine (state {PageState(self.state[slot]).name})")
         self.pins[slot] -= 1
         if not self.pins[slot]:
+            self.held -= 1
             self._refresh(slot)
 
     def hold_all(self, slots, touch: bool = False) -> None:
+        """A copy starts reading or writing each slot: none is evicted until `unhold_all`."""
         busy, hits, remove = self.busy, self.hits, self.policy.remove
         for slot in slots:
+            if not busy[slot]:
+                self.busy_slots += 1
             busy[slot] += 1
             remove(slot)
-            if touch:
+            if touch and hits[slot] < _HITS_MAX:
                 hits[slot] += 1
 
     def unhold_all(self, slots) -> None:
         busy, pins, state, add = self.busy, self.pins, self.state, self.policy.add
-        evictable = _IS_EVICTABLE
+        evictable = _EVICTABLE
         for slot in slots:
-            busy[slot] -= 1
-            assert busy[slot] >= 0, f"{self.name} slot {slot} has no copy in flight"
-            if not busy[slot] and not pins[slot] and evictable[state[slot]]:
-                add(slot)
+            left = busy[slot] - 1
+            assert left >= 0, f"{self.name} slot {slot} has no copy in flight"
+            busy[slot] = left
+            if not left:
+                self.busy_slots -= 1
+                if not pins[slot] and evictable[state[slot]]:
+                    add(slot)
 
     def touch(self, slot: int) -> None:
-        self.hits[slot] += 1
+        if self.hits[slot] < _HITS_MAX:
+            self.hits[slot] += 1
         self.policy.touch(slot)
 
     def victims(self, n: int) -> list[int]:
-        out = []
-        for slot in self.policy.order():
-            if len(out) == n:
-                break
-            out.append(slot)
-        return out
+        """Up to n evictable slots, first victim first (reads at most n entries)."""
+        return self.policy.victims(n)
+
+    def dirty_slots(self) -> list[int]:
+        """Every DIRTY slot, oldest first: O(dirty slots)."""
+        return list(self.dirty)
 
     def state_counts(self) -> dict[str, int]:
         return {s.name.lower(): self.counts[s] for s in PageState}

@@ -1,0 +1,53 @@
+"""Input checks of the pool's public calls: every argument is checked before any state changes.
+
+Owns the rules for counts and slot lists and the error messages that name the offending value.
+Key checks live with the key contract (kvtier.index.keys.key_ids). It must never look at
+page states.
+"""
+
+from __future__ import annotations
+
+import operator
+
+
+def check_count(n, what: str = "page count") -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {n!r}")
+    return n
+
+
+def check_slots(slots, capacity: int) -> list[int]:
+    """Device slots as a list of ints in range, without repeats.
+
+    Slots are indexes: ints and integer types (numpy, torch scalars) are accepted through
+    `operator.index`; floats, strings and bools are refused, never truncated.
+    """
+    if isinstance(slots, (str, bytes)):
+        raise TypeError(f"slots must be a sequence of ints, got {type(slots).__name__} {slots!r}")
+    out = []
+    for slot in slots:
+        if isinstance(slot, bool):
+            raise TypeError(f"device slot must be an int, got bool {slot!r}")
+        try:
+            value = operator.index(slot)
+        except TypeError:
+            raise TypeError(f"device slot must be an int, got {type(slot).__name__} {slot!r}") from None
+        if not 0 <= value < capacity:
+            raise ValueError(f"device slot {value} out of range [0, {capacity})")
+        out.append(value)
+    if len(set(out)) != len(out):
+        raise ValueError("slots must not repeat within one call")
+    return out
+
+
+def check_unique(ids: list[bytes]) -> None:
+    if len(set(ids)) != len(ids):
+        raise ValueError("keys must not repeat within one call")
+
+
+def check_positive(value, what: str, integer: bool = False):
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"{what} must be {kind} > 0, got {value!r}")
+    return value

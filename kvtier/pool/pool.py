@@ -1,0 +1,1148 @@
+"""TieredPool: the public API that serving engines call.
+
+Owns the translation of engine calls (allocate, commit, match, load, acquire, release, evict,
+flush, close) into index updates and copies between tiers. Deciding is pure Python on the tier
+indexes (kvtier.index), under one lock that is never held across a wait: no call waits for a
+copy, a remote read or write, or a flush while it holds the lock, so a `match` never queues
+behind another thread's I/O. A call that needs room or bytes that are still moving decides
+under the lock, starts the copies, lets go of the lock, waits, and decides again.
+
+Copies in flight hold their slots `busy` until their ticket reports done, so no slot is reused
+under a copy. Engine copies (device <-> host) are reaped by the calls themselves; remote jobs
+(host <-> remote) run on the pool's reader and writer threads (remote_link.py), which apply
+their outcome under the lock when the I/O is over.
+
+Tiers: device (GPU memory, or a CPU tensor standing in) -> host (pinned memory) -> remote
+(optional page store). Pages are inclusive going up: a page loaded to the device stays in the
+host tier, so evicting it from the device again costs nothing.
+
+A failing remote tier degrades the pool to a two-tier cache, never to an outage: backups go
+through a circuit breaker (breaker.py) with back-off; while it is not healthy, a tier that needs
+room and finds only pages that could not be made durable drops the oldest of them, counts them
+(`dropped{reason="remote_unavailable"}`) and logs the cause once per outage. A dirty page is
+never dropped while the remote tier is healthy. Remote pages stay loadable throughout.
+
+It must never touch page bytes itself, nor hold its lock while it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+from prometheus_client import REGISTRY
+
+from kvtier.format import PageFormat
+from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
+from kvtier.index.keys import key_ids
+from kvtier.index.slot_list import SlotList
+from kvtier.metrics import Counters, register_pool, unregister_pool
+from kvtier.pool.breaker import CircuitBreaker
+from kvtier.pool.checks import check_count, check_positive, check_slots, check_unique
+from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
+from kvtier.pool.remote_link import RemoteLink
+from kvtier.tiers import DeviceTier, HostTier
+from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
+
+S = PageState
+log = logging.getLogger(__name__)
+
+COPY_PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
+_READABLE = [s in (S.RESIDENT, S.DIRTY, S.OFFLOADING) for s in PageState]
+_ROUNDS = 64  # a load re-plans at most this many times while other threads take its pages
+# Eviction looks this many entries past what it needs, so pages it must pass over (dirty ones
+# whose copy cannot start yet) do not hide clean pages behind them. Bounded: calls stay O(batch).
+_OVERSCAN = 256
+
+
+def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
+    if callable(kind):
+        return kind(device_tier, host_tier)
+    if kind == "auto":
+        kind = "cuda" if device_tier.device.type == "cuda" else "torch"
+    if kind == "torch":
+        return TorchEngine(device_tier, host_tier, transform=transform)
+    if kind == "cuda":
+        from kvtier.transfer.cuda_engine import CudaEngine
+
+        return CudaEngine(device_tier, host_tier, transform=transform, path=copy_path)
+    raise ValueError(f"engine must be 'auto', 'torch', 'cuda' or a callable, got {kind!r}")
+
+
+def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes):
+    """(store, owned): open a directory or file:// URL, or check a caller's RemoteStore."""
+    if isinstance(remote, (str, os.PathLike)):
+        from kvtier.tiers.remote import RemoteStore
+
+        store = RemoteStore(os.fspath(remote), namespace=namespace.digest, page_bytes=fmt.page_bytes,
+                            capacity_bytes=capacity_bytes)
+        return store, True
+    if not all(hasattr(remote, name) for name in ("put_ids", "get_ids", "contains_ids", "page_bytes", "namespace")):
+        raise TypeError(
+            f"remote must be a directory path, a file:// URL or a kvtier RemoteStore, got {type(remote).__name__} {remote!r}"
+        )
+    if remote.page_bytes != fmt.page_bytes or remote.namespace != namespace.digest:
+        raise ValueError(
+            f"remote store holds {remote.page_bytes}-byte pages of namespace {remote.namespace[:12]}…; "
+            f"this pool needs {fmt.page_bytes}-byte pages of namespace {namespace.digest[:12]}…"
+        )
+    return remote, False
+
+
+class TieredPool:
+    """Pages of one model, one page format and one rank, across device, host (and remote) tiers.
+
+    engine: "auto" (CUDA engine on a CUDA device, torch twin elsewhere), "torch", "cuda",
+    or a callable (device_tier, host_tier) -> TransferEngine. copy_path picks the CUDA
+    engine's way of moving bytes ("auto", "kernel", "copy_engine", "staged", "torch").
+    remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
+    RemoteStore the caller owns (same page size and namespace as this pool).
+    host_bytes, when given, sizes the host tier in bytes (whole pages) instead of host_pages.
+    close_timeout_s bounds `close()` (flush included) when the remote tier hangs.
+    remote_backoff_s / remote_backoff_max_s: first and longest pause between backup attempts
+    while the remote tier fails. remote_queue_depth: prefetch hints queued at most.
+    """
+
+    def __init__(
+        self,
+        fmt: PageFormat,
+        device: str | torch.device = "cpu",
+        device_pages: int = 1024,
+        host_pages: int = 4096,
+        write_policy: str = "write_through",
+        eviction: str = "lru",
+        engine="auto",
+        copy_path: str = "auto",
+        model: str = "default",
+        rank: int = 0,
+        transform: ReloadTransform | None = None,
+        registry=REGISTRY,
+        name: str | None = None,
+        remote=None,
+        remote_capacity_bytes: int | None = None,
+        remote_queue_depth: int = 64,
+        host_bytes: int | None = None,
+        close_timeout_s: float = 30.0,
+        remote_backoff_s: float = 0.1,
+        remote_backoff_max_s: float = 30.0,
+        remote_batch_bytes: int = 64 << 20,
+    ) -> None:
+        if not isinstance(fmt, PageFormat):
+            raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
+        if host_bytes is not None:
+            if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < fmt.page_bytes:
+                raise ValueError(f"host_bytes must be an int of at least one page ({fmt.page_bytes} bytes), got {host_bytes!r}")
+            host_pages = host_bytes // fmt.page_bytes
+        if copy_path not in COPY_PATHS:
+            raise ValueError(f"copy_path must be one of {COPY_PATHS}, got {copy_path!r}")
+        check_positive(remote_queue_depth, "remote_queue_depth", integer=True)
+        check_positive(close_timeout_s, "close_timeout_s")
+        check_positive(remote_batch_bytes, "remote_batch_bytes", integer=True)
+        self.fmt = fmt
+        self.write_policy = WritePolicy(write_policy)
+        self.namespace = Namespace(model, fmt.fingerprint, rank)
+        self.device_tier = DeviceTier(fmt, device_pages, device)
+        self.host_tier = HostTier(fmt, host_pages)
+        self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
+        self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages))
+        self._host = TierIndex("host", host_pages, make_policy(eviction, host_pages))
+        self.close_timeout_s = close_timeout_s
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._inflight: list[tuple[Ticket, object]] = []  # engine copies: (ticket, finish)
+        self._dev_landing: dict[int, Ticket] = {}  # device slot -> reload still landing in it
+        self._fetching: dict[int, Ticket] = {}  # host slot -> remote fetch still landing in it
+        self._evicting = bytearray(device_pages)  # device slots to free once their copy-down lands
+        self._ready = None
+        self.counters = Counters()
+        self.remote = None
+        self._link: RemoteLink | None = None
+        self._owns_remote = False
+        self._backup_queue = SlotList(host_pages)  # DIRTY host slots to write to the remote tier
+        self._backups_in_flight = 0
+        self._breaker = CircuitBreaker(remote_backoff_s, remote_backoff_max_s)
+        self._drop_logged = False
+        self._bad_page_logged = False
+        self._batch_pages = max(1, remote_batch_bytes // fmt.page_bytes)
+        self._closing = False
+        self._closed = False
+        if remote is not None:
+            self.remote, self._owns_remote = _open_remote(remote, fmt, self.namespace, remote_capacity_bytes)
+            # One registration of the whole host tier: batches then skip per-call registration.
+            self.remote.register_host_memory(self.host_tier.buffer.view(-1))
+            self._link = RemoteLink(
+                self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup
+            )
+        self._registry = registry
+        self.name = register_pool(registry, self, name)
+
+    # --- engine-facing views -------------------------------------------------------------
+    def device_kv(self, layer: int):
+        """(K, V) device pages of `layer`, each (device_pages, *plane_shape); (latent, None) under MLA."""
+        return self.device_tier.layer_kv(layer)
+
+    def device_scales(self, layer: int):
+        """(K, V) fp32 scales of `layer`, (device_pages, *scale_shape); (None, None) without device scales."""
+        return self.device_tier.layer_scales(layer)
+
+    # --- allocation ----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Device slots for n new pages, held by the engine until `release`.
+
+        Evicts what it must (copying dirty pages down first, outside the lock); raises
+        PoolExhausted at once, evicting nothing, when n can never fit beside the pages the
+        engine holds.
+        """
+        check_count(n)
+        return self._take_device(n)
+
+    def release(self, slots) -> None:
+        """The engine stops holding these slots; uncommitted ones are freed, committed ones stay cached."""
+        slots = check_slots(slots, self._dev.capacity)
+        with self._lock:
+            self._check_open()
+            dev = self._dev
+            for slot in slots:
+                if not dev.pins[slot]:
+                    raise ValueError(f"device slot {slot} is not held by the engine (state {S(dev.state[slot]).name})")
+            for slot in slots:
+                dev.unpin(slot)
+                if not dev.pins[slot] and dev.state[slot] == S.FILLING and not dev.busy[slot]:
+                    dev.set_state(slot, S.FREE)
+            self._reap()
+
+    def acquire(self, keys) -> list[int]:
+        """Hold the device slots of the leading device-resident keys; returns their slots."""
+        ids = key_ids(keys)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            dev = self._dev
+            slots = []
+            for kid in ids:
+                slot = dev.readable_slot(kid)
+                if slot < 0:
+                    break
+                dev.pin(slot)
+                dev.touch(slot)
+                slots.append(slot)
+            self._copy_popular(slots)
+            return slots
+
+    # --- commit / match / load ----------------------------------------------------------
+    def commit(self, keys, slots) -> int:
+        """The pages in `slots` (from `allocate`) now hold `keys`; the write policy applies.
+
+        A key already on the device keeps its slot; the new slot stays an unkeyed page the
+        engine holds. Returns how many pages were newly keyed. Never waits: a write-through
+        copy that finds no host room now happens at eviction or flush instead.
+        """
+        start = time.perf_counter()
+        ids = key_ids(keys)
+        slots = check_slots(slots, self._dev.capacity)
+        if len(ids) != len(slots):
+            raise ValueError(f"got {len(ids)} keys for {len(slots)} slots; they must pair up")
+        check_unique(ids)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            dev, host = self._dev, self._host
+            self._check_fresh("commit", slots)
+            self._ready = self.engine.record_ready()
+            dtable, hget = dev.table, host.readable_slot
+            fresh_ids, fresh_slots, clean, dirty = [], [], [], []
+            for kid, slot in zip(ids, slots):
+                if kid in dtable:
+                    continue
+                fresh_ids.append(kid)
+                fresh_slots.append(slot)
+                (clean if hget(kid) >= 0 else dirty).append(slot)
+            self.counters.duplicate_commits += len(ids) - len(fresh_ids)
+            dev.bind_all(fresh_slots, fresh_ids)
+            dev.set_states(clean, S.RESIDENT)
+            dev.set_states(dirty, S.DIRTY)
+            if dirty and self.write_policy.copy_on_commit():
+                self._copy_down(dirty, evicting=False)
+            self.counters.latency["commit"].observe(time.perf_counter() - start)
+            return len(fresh_ids)
+
+    def match(self, keys) -> MatchResult:
+        """The loadable prefix of `keys`, split by nearest tier (see MatchResult); counts hits.
+
+        The remote tier's index is asked without the pool's lock held.
+        """
+        start = time.perf_counter()
+        ids = key_ids(keys)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            on_device, on_host, local = self._walk(ids, 0)
+            self._touch_prefix(ids)
+        remote = 0
+        total = local
+        if self.remote is not None and local < len(ids):
+            rest = ids[local:]
+            try:
+                in_remote = self.remote.contains_ids(rest)
+            except Exception as exc:  # a failing remote tier is a miss, never an error for the engine
+                log.warning("remote index lookup of %d pages failed: %r", len(rest), exc)
+                in_remote = [False] * len(rest)
+                with self._lock:
+                    self.counters.remote_failures["read"] += len(rest)
+            with self._lock:
+                dtable, htable = self._dev.table, self._host.table
+                for kid, remote_has in zip(rest, in_remote):
+                    if kid in dtable:
+                        on_device += 1
+                    elif kid in htable:
+                        on_host += 1
+                    elif remote_has:
+                        remote += 1
+                    else:
+                        break
+                    total += 1
+        with self._lock:
+            c = self.counters
+            c.hits["device"] += on_device
+            c.hits["host"] += on_host
+            c.hits["remote"] += remote
+            c.misses += len(ids) - total
+            c.latency["match"].observe(time.perf_counter() - start)
+        return MatchResult(device=on_device, host=on_host, remote=remote, total=total)
+
+    def _walk(self, ids: list[bytes], start: int) -> tuple[int, int, int]:
+        """(device, host, end) over the leading ids from `start` held by the device or host."""
+        dtable, htable = self._dev.table, self._host.table
+        d = h = 0
+        end = start
+        for kid in ids[start:]:
+            if kid in dtable:
+                d += 1
+            elif kid in htable:
+                h += 1
+            else:
+                break
+            end += 1
+        return d, h, end
+
+    def _touch_prefix(self, ids: list[bytes]) -> None:
+        """Count a use of the leading device keys and the leading host keys (LRU, write policy)."""
+        dev, host = self._dev, self._host
+        touched_dev, touched_host = [], []
+        for kid in ids:
+            slot = dev.lookup(kid)
+            if slot < 0:
+                break
+            dev.touch(slot)
+            touched_dev.append(slot)
+        for kid in ids:
+            slot = host.lookup(kid)
+            if slot < 0:
+                break
+            host.touch(slot)
+            touched_host.append(slot)
+        self._copy_popular(touched_dev)
+        self._backup_popular(touched_host)
+
+    def load(self, keys, slots=None) -> LoadHandle:
+        """Bring `keys` to the device from wherever they are; `handle.slots` says where.
+
+        slots=None: device-resident keys are held where they are, the rest land in new
+        slots (allocated after the sources are secured, so allocation cannot evict them).
+        With `slots` (from `allocate`): every key is copied into its given slot.
+        Returns once the copies are queued (at once on CUDA; remote pages are read into the
+        host tier first, without the lock); wait on the handle before reading. A key no tier
+        holds raises KeyError, and the call leaves the device as it found it.
+        """
+        start = time.perf_counter()
+        ids = key_ids(keys)
+        check_unique(ids)
+        if slots is not None:
+            slots = check_slots(slots, self._dev.capacity)
+            if len(ids) != len(slots):
+                raise ValueError(f"got {len(ids)} keys for {len(slots)} slots; they must pair up")
+            with self._lock:
+                self._check_open()
+                self._check_fresh("load", slots)
+        dev_src, host_src = self._secure_sources(ids)
+        new: list[int] = []
+        try:
+            if slots is None:
+                new = self._take_device(len(host_src))
+            with self._lock:
+                handle = self._submit_load(ids, slots, dev_src, host_src, new)
+                new = []
+                self._reap()
+                self.counters.latency["load"].observe(time.perf_counter() - start)
+            return handle
+        finally:
+            with self._lock:
+                self._dev.unhold_all(dev_src.values())
+                self._release_host(list(host_src.values()))
+                if new:
+                    for slot in new:
+                        self._dev.unpin(slot)
+                    self._dev.set_states(new, S.FREE)
+
+    prefetch = load
+
+    def _secure_sources(self, ids: list[bytes]) -> tuple[dict[int, int], dict[int, int]]:
+        """Hold a readable copy of every key, busy, so nothing evicts it: device pages where they
+        are, else a host slot (read from the remote tier first if needed, waiting outside the
+        lock). Returns ({key index: device slot}, {key index: host slot}); raises KeyError, with
+        nothing held, when a key is in no tier."""
+        dev_src: dict[int, int] = {}
+        host_src: dict[int, int] = {}
+        try:
+            for _ in range(_ROUNDS):
+                with self._lock:
+                    self._check_open()
+                    self._reap()
+                    waits, missing = self._plan_sources(ids, dev_src, host_src)
+                    if missing:
+                        raise KeyError(
+                            f"load: {len(missing)} of {len(ids)} keys are in no tier; "
+                            f"first missing: key {missing[0]} (id {ids[missing[0]].hex()})"
+                        )
+                    if not waits:
+                        return dev_src, host_src
+                for wait in waits:
+                    wait()
+            raise RuntimeError(f"load: other threads kept evicting these pages for {_ROUNDS} rounds")
+        except BaseException:
+            with self._lock:
+                self._dev.unhold_all(dev_src.values())
+                self._release_host(host_src.values())
+            raise
+
+    def _release_host(self, slots) -> None:
+        """Drop a load's holds on host slots; a slot whose fetch failed is freed once idle."""
+        host = self._host
+        host.unhold_all(slots)
+        host.set_states([s for s in slots if host.state[s] == S.LOADING and not host.busy[s]
+                         and not host.table.holds_key(s)], S.FREE)
+
+    def _plan_sources(self, ids, dev_src: dict[int, int], host_src: dict[int, int]):
+        """One round of `_secure_sources` under the lock: (things to wait for, indexes in no tier)."""
+        dev, host = self._dev, self._host
+        waits, fetch, missing = [], [], []
+        for i, slot in list(host_src.items()):
+            if host.state[slot] != S.LOADING:
+                continue
+            if host.table.holds_key(slot):  # our fetch is still landing
+                waits.append(self._fetching[slot].synchronize)
+                continue
+            # Our fetch failed: the page is in no tier now.
+            del host_src[i]
+            self._release_host((slot,))
+            missing.append(i)
+        if missing:
+            return waits, missing
+        for i, kid in enumerate(ids):
+            if i in host_src or i in dev_src:
+                continue
+            slot = dev.lookup(kid)
+            if slot >= 0:
+                dev.hold_all((slot,))
+                dev_src[i] = slot
+                continue
+            slot = host.lookup(kid)
+            if slot >= 0:
+                if _READABLE[host.state[slot]]:
+                    host.hold_all((slot,), touch=True)
+                    host_src[i] = slot
+                else:  # landing for another call (a prefetch or a copy-down): wait, then look again
+                    ticket = self._fetching.get(slot)
+                    waits.append(ticket.synchronize if ticket is not None else self._progress_waiter("host"))
+                continue
+            fetch.append(i)
+        if fetch and self._link is None:
+            return waits, fetch
+        if fetch:
+            if len(fetch) > self._host.capacity:
+                raise PoolExhausted(self._exhausted("host", len(fetch)))
+            started = self._fetch([ids[i] for i in fetch], for_load=True)
+            for i, (slot, ticket) in zip(fetch, started):
+                host_src[i] = slot
+                waits.append(ticket.synchronize)
+            if len(started) < len(fetch):  # no host room now: wait for copies in flight, then ask again
+                wait = self._progress_waiter("host")
+                if wait is None:
+                    raise PoolExhausted(self._exhausted("host", len(fetch) - len(started)))
+                waits.append(wait)
+        return [w for w in waits if w is not None], missing
+
+    def _submit_load(self, ids, slots, dev_src: dict[int, int], host_src: dict[int, int], new: list[int]) -> LoadHandle:
+        """Under the lock, with every source held: queue the reloads and device copies."""
+        dev = self._dev
+        tickets: list[Ticket] = []
+        dev_idx = sorted(dev_src)
+        landing = list({self._dev_landing[dev_src[i]] for i in dev_idx if dev_src[i] in self._dev_landing})
+        reload_idx = sorted(host_src)
+        if slots is None:
+            out = [0] * len(ids)
+            for i in dev_idx:
+                slot = dev_src[i]
+                dev.pin(slot)
+                dev.touch(slot)
+                out[i] = slot
+            tickets.extend(landing)
+            targets = new
+        else:
+            out = list(slots)
+            if dev_idx:
+                for ticket in landing:  # the copy reads pages still landing: order after them
+                    ticket.wait()
+                tickets.append(self._device_copy([dev_src[i] for i in dev_idx], [slots[i] for i in dev_idx]))
+            targets = [slots[i] for i in reload_idx]
+        if reload_idx:
+            # A key may have reached the device meanwhile (another thread loaded or committed
+            # it): its copy then lands in our slot as a private, unkeyed page.
+            dtable = dev.table
+            keyed = [ids[i] not in dtable for i in reload_idx]
+            tickets.append(self._reload([host_src[i] for i in reload_idx], targets, [ids[i] for i in reload_idx], keyed))
+            for i, slot in zip(reload_idx, targets):
+                out[i] = slot
+        return LoadHandle(tickets, self.fmt.num_layers, out)
+
+    # --- eviction / flush / close --------------------------------------------------------
+    def evict(self, n: int | None = None, tier: str = "device", keys=None) -> int:
+        """Evict up to n unheld pages (all when n is None), or exactly `keys`, from `tier`.
+
+        The write policy applies: dirty pages are copied down first (waiting outside the lock)
+        unless it drops them. Returns how many pages left the tier.
+        """
+        if tier not in ("device", "host"):
+            raise ValueError(f"evict: tier must be 'device' or 'host', got {tier!r}")
+        if n is not None:
+            check_count(n)
+        ids = key_ids(keys) if keys is not None else None
+        with self._lock:
+            self._check_open()
+            self._reap()
+            index = self._dev if tier == "device" else self._host
+            if ids is not None:
+                victims = [s for s in (index.lookup(k) for k in ids) if s >= 0 and index.evictable(s)]
+                victims = victims[:n] if n is not None else victims
+            else:
+                victims = index.victims(index.capacity if n is None else n)
+            chosen = [(slot, index.id_of(slot)) for slot in victims]
+            if tier == "device":
+                self._evict_device(victims)
+            else:
+                self._evict_host(victims)
+        # Dirty pages leave once their copy down lands: wait for those (outside the lock).
+        while True:
+            with self._lock:
+                self._reap()
+                if tier == "device":
+                    waiting = [slot for slot, _ in chosen if self._evicting[slot]]
+                else:
+                    host = self._host
+                    done = [slot for slot, kid in chosen if host.lookup(kid) == slot
+                            and host.state[slot] == S.RESIDENT and host.evictable(slot)]
+                    self._evict_host(done)
+                    waiting = [slot for slot, kid in chosen if host.lookup(kid) == slot and (
+                        slot in self._backup_queue or host.state[slot] == S.OFFLOADING)]
+                wait = self._progress_waiter(tier) if waiting else None
+                if wait is None:
+                    return sum(1 for slot, kid in chosen if index.lookup(kid) != slot)
+            wait()
+
+    def flush(self) -> int:
+        """Copy every dirty page the write policy keeps down to the last tier and wait for all
+        copies. Returns how many pages could not be made durable (still dirty, or refused
+        because they could not be encoded): 0 unless a tier failed."""
+        with self._lock:
+            self._check_open()
+        return self._flush(deadline=None)
+
+    def _flush(self, deadline: float | None) -> int:
+        keep = self.write_policy.copy_on_evict
+        dropped_before = self.counters.dropped.get("not_encodable", 0)
+        last = None
+        while True:
+            with self._lock:
+                self._reap()
+                dev, host = self._dev, self._host
+                dev_dirty = [s for s in dev.dirty if keep(dev.hits[s]) and not dev.busy[s]]
+                if dev_dirty:
+                    self._copy_down(dev_dirty, evicting=False)
+                if self._link is not None:
+                    for s in host.dirty:
+                        if keep(host.hits[s]) and not host.busy[s]:
+                            self._backup_queue.append(s)
+                    if len(self._backup_queue):
+                        self._breaker.force_probe()
+                        self._changed.notify_all()
+                left = self._not_durable()
+            # Wait for everything this round started, then look again while that helps.
+            self._wait_idle(deadline)
+            with self._lock:
+                self._reap()
+                left = self._not_durable()
+                stuck = last is not None and left >= last
+            if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
+                break
+            last = left
+        failed = left + self.counters.dropped.get("not_encodable", 0) - dropped_before
+        if failed:
+            log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
+                        failed, dict(self.counters.remote_failures), self._breaker.last_error)
+        return failed
+
+    def _not_durable(self) -> int:
+        keep = self.write_policy.copy_on_evict
+        dev, host = self._dev, self._host
+        left = sum(1 for s in dev.dirty if keep(dev.hits[s])) + dev.counts[S.OFFLOADING]
+        if self._link is not None:
+            left += sum(1 for s in host.dirty if keep(host.hits[s])) + host.counts[S.OFFLOADING]
+        return left
+
+    def _wait_idle(self, deadline: float | None) -> None:
+        """Wait outside the lock until no engine copy is in flight and the backup queue has
+        drained or the breaker refuses to try again before `deadline`."""
+        while True:
+            with self._lock:
+                self._reap()
+                tickets = [t for t, _ in self._inflight]
+                if not tickets:
+                    if self._link is None:
+                        return
+                    busy = self._backups_in_flight or (len(self._backup_queue) and self._breaker.wait_s() == 0)
+                    if not busy:
+                        return
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return
+                    self._changed.wait(timeout=remaining if remaining is not None else 1.0)
+                    continue
+            for ticket in tickets:
+                ticket.synchronize()
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Flush (for at most `timeout_s`, default `close_timeout_s`), then release memory,
+        streams and threads. Returns how many pages could not be made durable; they are also
+        counted as `dropped{reason="close"}`. Safe to call twice (later calls return 0)."""
+        timeout_s = self.close_timeout_s if timeout_s is None else check_positive(timeout_s, "timeout_s")
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._closed or self._closing:
+                return 0
+            self._closing = True
+        if self.remote is not None and hasattr(self.remote, "set_timeout"):
+            self.remote.set_timeout(max(0.001, timeout_s / 2))
+        left = self._flush(deadline=deadline)
+        with self._lock:
+            self._closed = True
+            if left:
+                self.counters.dropped["close"] += left
+                log.warning("close: %d pages were not made durable and are gone", left)
+            self._changed.notify_all()
+        for ticket, _ in self._inflight:
+            ticket.synchronize()
+        self.engine.close()
+        if self._link is not None:
+            stopped = self._link.close(max(0.0, deadline - time.monotonic()) + 1.0)
+            if stopped:
+                self.remote.unregister_host_memory(self.host_tier.buffer.view(-1))
+                if self._owns_remote:
+                    self.remote.close()
+        self.host_tier.close()
+        unregister_pool(self._registry, self)
+        return left
+
+    def latency_snapshot(self) -> dict[str, tuple[list[int], float]]:
+        """Bucket counts and sums of the call and remote-job latency histograms (for the exporter)."""
+        with self._lock:
+            return {op: hist.snapshot() for op, hist in self.counters.latency.items()}
+
+    def remote_stats(self) -> dict:
+        """The remote store's own counters (empty without a remote tier); asked without the lock."""
+        store = self.remote
+        if store is None or self._closed:
+            return {}
+        try:
+            return store.stats()
+        except Exception as exc:  # a scrape must never fail because the store does
+            log.warning("remote store stats failed: %r", exc)
+            return {}
+
+    def __enter__(self) -> TieredPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """Counters and gauges of this pool: O(1), whatever the tiers hold."""
+        with self._lock:
+            c = self.counters
+            return {
+                "pool": self.name,
+                "model": self.namespace.model,
+                "rank": self.namespace.rank,
+                "namespace": self.namespace.digest,
+                "write_policy": self.write_policy.name,
+                "engine": self.engine.name,
+                "page_bytes": self.fmt.page_bytes,
+                "hits": dict(c.hits),
+                "misses": c.misses,
+                "pages_moved": dict(c.pages_moved),
+                "bytes_moved": dict(c.bytes_moved),
+                "evictions": dict(c.evictions),
+                "dropped": dict(c.dropped),
+                "duplicate_commits": c.duplicate_commits,
+                "remote_failures": dict(c.remote_failures),
+                "remote_breaker": self._breaker.state.name.lower(),
+                "remote_breaker_opened": self._breaker.opened,
+                "backup_queue": len(self._backup_queue),
+                "inflight": len(self._inflight) + self._backups_in_flight + len(self._fetching),
+                "states": {"device": self._dev.state_counts(), "host": self._host.state_counts()},
+                "held": {"device": self._dev.held},
+            }
+
+    # --- internals: device slots -------------------------------------------------------------
+    def _take_device(self, n: int) -> list[int]:
+        """n device slots in FILLING, held by the caller. Evicts as needed; waits outside the lock."""
+        dev = self._dev
+        got: list[int] = []
+        try:
+            while True:
+                with self._lock:
+                    self._check_open()
+                    self._reap()
+                    if n - len(got) > dev.capacity - dev.held:
+                        raise PoolExhausted(self._exhausted("device", n - len(got)))
+                    more = dev.take_free(n - len(got), S.FILLING)
+                    need = n - len(got) - len(more)
+                    if need:
+                        self._evict_device(dev.victims(need + _OVERSCAN), want=need)
+                        more += dev.take_free(need, S.FILLING)
+                    for slot in more:
+                        dev.pin(slot)
+                    got += more
+                    if len(got) == n:
+                        return got
+                    wait = self._progress_waiter("device")
+                    if wait is None:
+                        raise PoolExhausted(self._exhausted("device", n - len(got)))
+                wait()
+        except BaseException:
+            if got:
+                with self._lock:
+                    for slot in got:
+                        dev.unpin(slot)
+                    dev.set_states(got, S.FREE)
+            raise
+
+    def _progress_waiter(self, tier: str):
+        """Something to wait for (outside the lock) that may free slots of `tier`, or None."""
+        if self._inflight:
+            return self._inflight[0][0].synchronize
+        if self._link is not None and (self._backups_in_flight or self._fetching or (
+                len(self._backup_queue) and self._breaker.wait_s() < float("inf"))):
+            timeout = min(1.0, max(0.001, self._breaker.wait_s()))
+
+            def wait() -> None:
+                with self._lock:
+                    self._changed.wait(timeout)
+
+            return wait
+        return None
+
+    def _exhausted(self, tier: str, n: int) -> str:
+        index = self._dev if tier == "device" else self._host
+        advice = ("release pages the engine holds or raise device_pages" if tier == "device"
+                  else "raise host_pages or load fewer pages at once")
+        return (
+            f"{tier} tier: need {n} slots, none left free or evictable "
+            f"({index.capacity} slots: {index.held} held by the engine, {index.busy_slots} in copies in flight, "
+            f"{index.counts[S.DIRTY]} not yet durable); {advice}"
+        )
+
+    def _evict_device(self, victims: list[int], want: int | None = None) -> int:
+        """Free device slots from `victims` (LRU order) until `want` are free or on their way:
+        clean pages go now; dirty pages the write policy keeps go once their copy down lands
+        (their copies start here). Dirty pages whose copy cannot start yet (no host room) are
+        passed over, so clean pages behind them still go. Returns how many were freed now."""
+        dev = self._dev
+        want = len(victims) if want is None else want
+        free, dirty = [], []
+        rest = iter(victims)
+        for slot in rest:
+            if len(free) + len(dirty) >= want:
+                break
+            if dev.state[slot] == S.DIRTY:
+                if self.write_policy.copy_on_evict(dev.hits[slot]):
+                    dirty.append(slot)
+                    continue
+                self._count_drop("selective", 1)
+            free.append(slot)
+        dev.set_states(free, S.FREE)
+        freed = len(free)
+        started = 0
+        if dirty:
+            for slot in self._copy_down(dirty, evicting=True):
+                if self._evicting[slot]:
+                    started += 1
+                elif dev.state[slot] == S.RESIDENT and not dev.busy[slot] and not dev.pins[slot]:
+                    dev.set_state(slot, S.FREE)  # the host tier already had it
+                    freed += 1
+        if freed + started < want:  # passed-over dirty pages: look further for clean ones
+            more = []
+            for slot in rest:
+                if freed + started + len(more) >= want:
+                    break
+                if dev.state[slot] == S.RESIDENT:
+                    more.append(slot)
+            dev.set_states(more, S.FREE)
+            freed += len(more)
+        self.counters.evictions["device"] += freed
+        return freed
+
+    def _free_evicted(self, slots) -> None:
+        dev = self._dev
+        done = []
+        for slot in slots:
+            if self._evicting[slot]:
+                self._evicting[slot] = 0
+                if dev.state[slot] == S.RESIDENT and not dev.busy[slot] and not dev.pins[slot]:
+                    done.append(slot)
+        dev.set_states(done, S.FREE)
+        self.counters.evictions["device"] += len(done)
+
+    # --- internals: host slots -----------------------------------------------------------------
+    def _take_host(self, n: int) -> list[int]:
+        """Up to n host slots in LOADING state, evicting host pages as needed (never waits)."""
+        host = self._host
+        slots = host.take_free(n, S.LOADING)
+        if len(slots) < n:
+            need = n - len(slots)
+            self._evict_host(host.victims(need + _OVERSCAN), want=need)
+            slots += host.take_free(need, S.LOADING)
+        return slots
+
+    def _evict_host(self, victims: list[int], want: int | None = None) -> int:
+        """Free host slots from `victims` (LRU order) until `want` are free or on their way.
+
+        Clean pages go now. Dirty pages the write policy keeps are queued for backup while the
+        remote tier is healthy (they go once durable); while it is not, the oldest are dropped,
+        counted and logged once per outage. Pages already queued are passed over, so clean
+        pages behind them still go. Returns how many were freed now."""
+        host, dev = self._host, self._dev
+        want = len(victims) if want is None else want
+        free, queued, unavailable = [], 0, 0
+        for slot in victims:
+            if len(free) + queued >= want:
+                break
+            if host.state[slot] == S.DIRTY:
+                if not self.write_policy.copy_on_evict(host.hits[slot]):
+                    self._count_drop("selective", 1)
+                elif self._breaker.healthy:
+                    if slot not in self._backup_queue:
+                        self._backup_queue.append(slot)
+                        queued += 1
+                    continue
+                else:
+                    unavailable += 1
+            free.append(slot)
+        if unavailable:
+            self._count_drop("remote_unavailable", unavailable)
+            if not self._drop_logged:
+                self._drop_logged = True
+                log.warning(
+                    "remote tier unavailable (%s): dropping host pages that could not be made durable to make room; "
+                    "they are counted in kvtier_dropped_pages{reason=\"remote_unavailable\"}",
+                    self._breaker.last_error,
+                )
+        for slot in free:
+            # The device copy, if any, is now the only one: it becomes dirty.
+            dslot = dev.lookup(host.id_of(slot))
+            if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
+                dev.set_state(dslot, S.DIRTY)
+            self._backup_queue.discard(slot)
+        host.set_states(free, S.FREE)
+        if queued:
+            self._changed.notify_all()
+        self.counters.evictions["host"] += len(free)
+        return len(free)
+
+    def _count_drop(self, reason: str, n: int) -> None:
+        self.counters.dropped[reason] += n
+
+    # --- internals: remote ---------------------------------------------------------------------
+    def _next_backup(self):
+        """The writer thread's next batch (called under the lock; waits on `_changed`)."""
+        host, tier, queue = self._host, self.host_tier, self._backup_queue
+        while True:
+            if self._closed:
+                return None
+            if len(queue) and self._breaker.allow():
+                slots = []
+                for slot in queue.first(self._batch_pages):
+                    queue.discard(slot)
+                    if host.state[slot] == S.DIRTY and not host.busy[slot]:
+                        slots.append(slot)
+                if not slots:
+                    if self._breaker.state != self._breaker.state.CLOSED:
+                        self._breaker.record(True)
+                    continue
+                host.set_states(slots, S.OFFLOADING, busy_delta=1)
+                self._backups_in_flight += 1
+                ids = [host.id_of(s) for s in slots]
+                buffers = [tier.page(s) for s in slots]
+                return ids, buffers, lambda ok, error, seconds: self._backup_done(slots, ok, error, seconds)
+            self._changed.wait(timeout=None if not len(queue) else max(0.001, self._breaker.wait_s()))
+
+    def _backup_done(self, slots: list[int], ok: list[bool], error, seconds: float) -> None:
+        host = self._host
+        good = [s for s, o in zip(slots, ok) if o]
+        bad = [s for s, o in zip(slots, ok) if not o]
+        self._backups_in_flight -= 1
+        host.set_states(good, S.RESIDENT, busy_delta=-1)
+        host.set_states(bad, S.DIRTY, busy_delta=-1)
+        for slot in bad:
+            self._backup_queue.append(slot)
+        c = self.counters
+        c.moved("host_to_remote", len(good), len(good) * self.fmt.page_bytes)
+        c.remote_failures["write"] += len(bad)
+        c.latency["remote_put"].observe(seconds)
+        was_healthy = self._breaker.healthy
+        self._breaker.record(not bad, None if not bad else repr(error) if error else f"{len(bad)} of {len(slots)} pages not written")
+        if self._breaker.healthy and not was_healthy:
+            log.warning("remote tier writes work again; backups resumed")
+            self._drop_logged = False
+        elif was_healthy and not self._breaker.healthy:
+            log.warning("remote tier writes fail (%s); backing off, pages stay in the host tier", self._breaker.last_error)
+
+    def _backup_popular(self, host_slots: list[int]) -> None:
+        """write_through_selective: back up the dirty host pages that just reached enough hits."""
+        if self._link is None:
+            return
+        host = self._host
+        ready = [s for s in host_slots if host.state[s] == S.DIRTY and self.write_policy.copy_on_hit(host.hits[s])]
+        for slot in ready:
+            self._backup_queue.append(slot)
+        if ready:
+            self._changed.notify_all()
+
+    def _fetch(self, ids: list[bytes], for_load: bool) -> list[tuple[int, Ticket]]:
+        """Start reading remote pages into host slots (as many as have room now).
+
+        Returns (host slot, ticket) per page started, in order. for_load: the caller holds each
+        slot (busy) from now on and releases it itself; else (a prefetch hint) the slot becomes
+        evictable when the page lands.
+        """
+        host, tier = self._host, self.host_tier
+        slots = self._take_host(len(ids))
+        if not slots:
+            return []
+        ids = ids[: len(slots)]
+        host.bind_all(slots, ids)
+        host.hold_all(slots)  # the fetch's hold, dropped when it lands
+        if for_load:
+            host.hold_all(slots)  # the load's hold, dropped by the load (_release_host)
+        buffers = [tier.page(s) for s in slots]
+
+        def apply(ok: list[bool], error, seconds: float) -> None:
+            good = [s for s, o in zip(slots, ok) if o]
+            bad = [s for s, o in zip(slots, ok) if not o]
+            for s in slots:
+                self._fetching.pop(s, None)
+            host.set_states(good, S.RESIDENT, busy_delta=-1)
+            host.unhold_all(bad)
+            # A failed page loses its key at once (a miss from now on); a load that still holds
+            # the slot frees it when it looks (_release_host).
+            host.set_states([s for s in bad if not host.busy[s]], S.FREE)
+            for s in bad:
+                if host.busy[s]:
+                    host.table.unbind(s)
+            c = self.counters
+            c.moved("remote_to_host", len(good), len(good) * self.fmt.page_bytes)
+            if error is not None:
+                c.remote_failures["read"] += len(bad)
+            else:
+                c.remote_misses += len(bad)
+            c.latency["remote_get"].observe(seconds)
+
+        submit = self._link.read if for_load else self._link.try_read
+        ticket = submit(ids, buffers, apply)
+        if ticket is None:  # a hint that does not fit in the queue: give the slots back
+            host.unhold_all(slots)
+            host.set_states(slots, S.FREE)
+            return []
+        for s in slots:
+            self._fetching[s] = ticket
+        return [(s, ticket) for s in slots]
+
+    def prefetch_to_host(self, keys) -> Ticket | None:
+        """Start bringing the remote-only pages among `keys` into the host tier on the remote
+        reader; returns its ticket at once (None when nothing needs fetching or there is no room
+        now). A hint: it never waits and never raises for the pages."""
+        ids = key_ids(keys)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            if self._link is None:
+                return None
+            dtable, htable = self._dev.table, self._host.table
+            wanted = [k for k in dict.fromkeys(ids) if k not in dtable and k not in htable]
+            started = self._fetch(wanted, for_load=False) if wanted else []
+            return started[0][1] if started else None
+
+    # --- internals: copies -----------------------------------------------------------------
+    def _copy_down(self, dev_slots: list[int], evicting: bool) -> list[int]:
+        """Start offloading dirty device pages to the host tier (as many as it has room for now).
+
+        Pages the host tier already has become clean at once; pages it is still fetching are
+        left dirty. evicting: each page copied is freed when its copy lands. Returns the device
+        slots that are clean now or whose copy started. Never waits.
+        """
+        dev, host = self._dev, self._host
+        clean, moving = [], []
+        for slot in dev_slots:
+            h = host.lookup(dev.id_of(slot))
+            if h < 0:
+                moving.append(slot)
+            elif _READABLE[host.state[h]]:
+                clean.append(slot)
+        dev.set_states(clean, S.RESIDENT)
+        if not moving:
+            return clean
+        host_slots = self._take_host(len(moving))
+        moving = moving[: len(host_slots)]
+        if not moving:
+            return clean
+        host.bind_all(host_slots, [dev.id_of(slot) for slot in moving])
+        dev.set_states(moving, S.OFFLOADING, busy_delta=1)
+        host.hold_all(host_slots)
+        if evicting:
+            for slot in moving:
+                self._evicting[slot] = 1
+        ticket = self.engine.offload(moving, host_slots, ready=self._ready)
+
+        def finish() -> None:
+            failed = set(ticket.failed_positions()) if hasattr(ticket, "failed_positions") else set()
+            good = [i for i in range(len(moving)) if i not in failed]
+            bad = sorted(failed)
+            dev_good, host_good = [moving[i] for i in good], [host_slots[i] for i in good]
+            dev.set_states(dev_good, S.RESIDENT, busy_delta=-1)
+            host.set_states(host_good, S.DIRTY if self._link is not None else S.RESIDENT, busy_delta=-1)
+            if bad:
+                self._refuse_unencodable([moving[i] for i in bad], [host_slots[i] for i in bad])
+            self.counters.moved("device_to_host", len(dev_good), len(dev_good) * self.fmt.page_bytes)
+            if self._link is not None and self.write_policy.copy_on_commit() and host_good:
+                for slot in host_good:
+                    self._backup_queue.append(slot)
+                self._changed.notify_all()
+            if evicting:
+                self._free_evicted(moving)
+
+        self._submit(ticket, finish)
+        return clean + moving
+
+    def _refuse_unencodable(self, dev_slots: list[int], host_slots: list[int]) -> None:
+        """Pages whose offload could not encode them (NaN or Inf over fp8 storage) leave the
+        cache: the host slot is freed, the device slot is unkeyed (back to FILLING while the
+        engine holds it, else freed). Counted and logged; the engine's own copy is untouched."""
+        dev, host = self._dev, self._host
+        if not self._bad_page_logged:
+            self._bad_page_logged = True
+            log.warning(
+                "%d pages could not be encoded as %s (NaN or Inf in the KV); they are not cached, counted in "
+                "kvtier_dropped_pages{reason=\"not_encodable\"} (first key id %s)",
+                len(dev_slots), self.fmt.dtype, dev.id_of(dev_slots[0]).hex(),
+            )
+        host.unhold_all(host_slots)
+        host.set_states(host_slots, S.FREE)
+        for slot in dev_slots:
+            self._evicting[slot] = 0
+            dev.busy[slot] -= 1
+            if not dev.busy[slot]:
+                dev.busy_slots -= 1
+            dev.table.unbind(slot)
+            dev.set_state(slot, S.FILLING if dev.pins[slot] else S.FREE)
+        self._count_drop("not_encodable", len(dev_slots))
+
+    def _copy_popular(self, dev_slots: list[int]) -> None:
+        """write_through_selective: copy down the dirty pages that just reached enough hits."""
+        dev = self._dev
+        ready = [s for s in dev_slots if dev.state[s] == S.DIRTY and not dev.busy[s] and self.write_policy.copy_on_hit(dev.hits[s])]
+        if ready:
+            self._copy_down(ready, evicting=False)
+
+    def _reload(self, host_slots: list[int], dev_slots: list[int], ids: list[bytes], keyed: list[bool]) -> Ticket:
+        """Copy host pages into device slots (FILLING, held by the caller). Keyed targets become
+        LOADING pages of their key until the copy lands; the others stay private copies."""
+        dev, host = self._dev, self._host
+        bind = [(s, k) for s, k, b in zip(dev_slots, ids, keyed) if b]
+        dev.bind_all([s for s, _ in bind], [k for _, k in bind])
+        dev.set_states([s for s, _ in bind], S.LOADING, busy_delta=1)
+        private = [s for s, b in zip(dev_slots, keyed) if not b]
+        dev.hold_all(private)
+        host.hold_all(host_slots)
+        ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
+        landing = [s for s, _ in bind]
+        for slot in landing:
+            self._dev_landing[slot] = ticket
+
+        def finish() -> None:
+            dev.set_states(landing, S.RESIDENT, busy_delta=-1)
+            dev.unhold_all(private)
+            host.unhold_all(host_slots)
+            for slot in landing:
+                if self._dev_landing.get(slot) is ticket:
+                    del self._dev_landing[slot]
+            self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
+
+        self._submit(ticket, finish)
+        return ticket
+
+    def _device_copy(self, src: list[int], dst: list[int]) -> Ticket:
+        dev = self._dev
+        dev.hold_all(src, touch=True)
+        dev.hold_all(dst)
+        ticket = self.engine.device_copy(src, dst)
+
+        def finish() -> None:
+            dev.unhold_all(src)
+            dev.unhold_all(dst)
+            self.counters.moved("device_to_device", len(src), len(src) * self.fmt.page_bytes)
+
+        self._submit(ticket, finish)
+        return ticket
+
+    def _submit(self, ticket: Ticket, finish) -> None:
+        if ticket.done():
+            finish()
+        else:
+            self._inflight.append((ticket, finish))
+
+    def _reap(self) -> None:
+        if not self._inflight:
+            return
+        inflight, self._inflight = self._inflight, []
+        for ticket, finish in inflight:
+            if ticket.done():
+                finish()
+            else:
+                self._inflight.append((ticket, finish))
+
+    # --- input checks ----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed or self._closing:
+            raise RuntimeError(f"pool {self.name} is closed")
+
+    def _check_fresh(self, op: str, slots: list[int]) -> None:
+        """Every slot came from allocate, is still held by the engine and holds no page yet."""
+        dev = self._dev
+        for slot in slots:
+            if dev.state[slot] != S.FILLING or dev.table.holds_key(slot) or not dev.pins[slot] or dev.busy[slot]:
+                raise ValueError(
+                    f"{op}: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
+                    f"it is {S(dev.state[slot]).name} with {dev.pins[slot]} holds"
+                )
