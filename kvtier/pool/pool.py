@@ -104,13 +104,16 @@ class TieredPool:
     close_timeout_s bounds `close()` (flush included) when the remote tier hangs.
     remote_backoff_s / remote_backoff_max_s: first and longest pause between backup attempts
     while the remote tier fails. remote_queue_depth: prefetch hints queued at most.
+    device_kv / device_scales: the serving engine's own KV tensors (see DeviceTier: (K, V)
+    or (latent, None), stacked or per-layer lists); device_pages and device then come from
+    them. Without them the pool allocates device_pages (default 1024) on device (default cpu).
     """
 
     def __init__(
         self,
         fmt: PageFormat,
-        device: str | torch.device = "cpu",
-        device_pages: int = 1024,
+        device: str | torch.device | None = None,
+        device_pages: int | None = None,
         host_pages: int = 4096,
         write_policy: str = "write_through",
         eviction: str = "lru",
@@ -129,6 +132,8 @@ class TieredPool:
         remote_backoff_s: float = 0.1,
         remote_backoff_max_s: float = 30.0,
         remote_batch_bytes: int = 64 << 20,
+        device_kv=None,
+        device_scales=None,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
@@ -144,7 +149,10 @@ class TieredPool:
         self.fmt = fmt
         self.write_policy = WritePolicy(write_policy)
         self.namespace = Namespace(model, fmt.fingerprint, rank)
-        self.device_tier = DeviceTier(fmt, device_pages, device)
+        if device_pages is None and device_kv is None:
+            device_pages = 1024
+        self.device_tier = DeviceTier(fmt, device_pages, device, kv=device_kv, scales=device_scales)
+        device_pages = self.device_tier.num_pages
         self.host_tier = HostTier(fmt, host_pages)
         self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
         self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages))
