@@ -21,6 +21,8 @@ from kvtier.index.slot_list import SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
 S = PageState
+_FREE, _DIRTY = int(S.FREE), int(S.DIRTY)
+_LEGAL_TO = {new: [row[new] for row in LEGAL] for new in PageState}
 _EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
 _READABLE = [s in READABLE for s in PageState]
 _HITS_MAX = 255
@@ -75,25 +77,30 @@ class TierIndex:
         key and returns the slot to the free list.
         """
         state, counts, pins, busy = self.state, self.counts, self.pins, self.busy
-        legal = [row[new] for row in LEGAL]
-        add, remove = self.policy.add, self.policy.remove
+        legal = _LEGAL_TO[new]
+        policy = self.policy
         evictable = _EVICTABLE[new]
-        freeing = new == S.FREE
+        was_evictable = _EVICTABLE
         dirty = self.dirty
-        into_dirty = new == S.DIRTY
+        freeing = new == _FREE
+        into_dirty = new == _DIRTY
+        unbind, hits, free = self.table.unbind, self.hits, self.free
+        moved = 0
         for slot in slots:
             old = state[slot]
             if not legal[old]:
                 check_transition(self.name, slot, PageState(old), new)
             state[slot] = new
             counts[old] -= 1
-            counts[new] += 1
-            if old == S.DIRTY:
+            moved += 1
+            if old == _DIRTY:
                 dirty.discard(slot)
             if into_dirty:
                 dirty.append(slot)
+            before = busy[slot]
+            # Listed in the eviction order exactly when evictable, unpinned and idle.
+            listed = was_evictable[old] and not before and not pins[slot]
             if busy_delta:
-                before = busy[slot]
                 after = before + busy_delta
                 assert after >= 0, f"{self.name} slot {slot} has no copy in flight"
                 busy[slot] = after
@@ -101,15 +108,21 @@ class TierIndex:
                     self.busy_slots += 1
                 elif not after:
                     self.busy_slots -= 1
-            if freeing:
-                assert not pins[slot] and not busy[slot], f"{self.name} slot {slot} freed while held or busy"
-                self.table.unbind(slot)
-                self.hits[slot] = 0
-                self.free.append(slot)
-            if evictable and not pins[slot] and not busy[slot]:
-                add(slot)
             else:
-                remove(slot)
+                after = before
+            if freeing:
+                assert not pins[slot] and not after, f"{self.name} slot {slot} freed while held or busy"
+                unbind(slot)
+                hits[slot] = 0
+                free.append(slot)
+                if listed:
+                    policy.remove(slot)
+            elif evictable and not after and not pins[slot]:
+                if not listed:
+                    policy.add(slot)
+            elif listed:
+                policy.remove(slot)
+        counts[new] += moved
 
     def _refresh(self, slot: int) -> None:
         if _EVICTABLE[self.state[slot]] and not self.pins[slot] and not self.busy[slot]:

@@ -26,6 +26,9 @@ def check_slots(slots, capacity: int) -> list[int]:
         raise TypeError(f"slots must be a sequence of ints, got {type(slots).__name__} {slots!r}")
     out = []
     for slot in slots:
+        if type(slot) is int and 0 <= slot < capacity:  # the common case, checked fast
+            out.append(slot)
+            continue
         if isinstance(slot, bool):
             raise TypeError(f"device slot must be an int, got bool {slot!r}")
         try:

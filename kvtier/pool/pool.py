@@ -177,15 +177,21 @@ class TieredPool:
         self._batch_pages = max(1, remote_batch_bytes // fmt.page_bytes)
         self._closing = False
         self._closed = False
+        self._registry = registry
+        self.name = register_pool(registry, self, name)
         if remote is not None:
-            self.remote, self._owns_remote = _open_remote(remote, fmt, self.namespace, remote_capacity_bytes)
-            # One registration of the whole host tier: batches then skip per-call registration.
-            self.remote.register_host_memory(self.host_tier.buffer.view(-1))
+            try:
+                self.remote, self._owns_remote = _open_remote(remote, fmt, self.namespace, remote_capacity_bytes)
+                # One registration of the whole host tier: batches then skip per-call registration.
+                self.remote.register_host_memory(self.host_tier.buffer.view(-1))
+            except BaseException:
+                unregister_pool(registry, self)
+                if self._owns_remote:
+                    self.remote.close()
+                raise
             self._link = RemoteLink(
                 self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup
             )
-        self._registry = registry
-        self.name = register_pool(registry, self, name)
 
     # --- engine-facing views -------------------------------------------------------------
     def device_kv(self, layer: int):
@@ -728,7 +734,7 @@ class TieredPool:
                     more = dev.take_free(n - len(got), S.FILLING)
                     need = n - len(got) - len(more)
                     if need:
-                        self._evict_device(dev.victims(need + _OVERSCAN), want=need)
+                        self._make_room(dev, need)
                         more += dev.take_free(need, S.FILLING)
                     for slot in more:
                         dev.pin(slot)
@@ -776,7 +782,8 @@ class TieredPool:
         """Free device slots from `victims` (LRU order) until `want` are free or on their way:
         clean pages go now; dirty pages the write policy keeps go once their copy down lands
         (their copies start here). Dirty pages whose copy cannot start yet (no host room) are
-        passed over, so clean pages behind them still go. Returns how many were freed now."""
+        passed over, so clean pages behind them still go. Returns how many are free now or on
+        their way."""
         dev = self._dev
         want = len(victims) if want is None else want
         free, dirty = [], []
@@ -796,7 +803,9 @@ class TieredPool:
         if dirty:
             for slot in self._copy_down(dirty, evicting=True):
                 if self._evicting[slot]:
-                    started += 1
+                    started += 1  # freed when its copy lands
+                elif dev.state[slot] == S.FREE:
+                    started += 1  # its copy landed at once and freed it (_free_evicted counted it)
                 elif dev.state[slot] == S.RESIDENT and not dev.busy[slot] and not dev.pins[slot]:
                     dev.set_state(slot, S.FREE)  # the host tier already had it
                     freed += 1
@@ -810,7 +819,7 @@ class TieredPool:
             dev.set_states(more, S.FREE)
             freed += len(more)
         self.counters.evictions["device"] += freed
-        return freed
+        return freed + started
 
     def _free_evicted(self, slots) -> None:
         dev = self._dev
@@ -830,9 +839,18 @@ class TieredPool:
         slots = host.take_free(n, S.LOADING)
         if len(slots) < n:
             need = n - len(slots)
-            self._evict_host(host.victims(need + _OVERSCAN), want=need)
+            self._make_room(host, need)
             slots += host.take_free(need, S.LOADING)
         return slots
+
+    def _make_room(self, index: TierIndex, need: int) -> None:
+        """Evict from the LRU front until `need` slots are free or on their way. The first look
+        reads `need` entries; only when it had to pass pages over (dirty ones whose copy cannot
+        start yet) does a second look read up to _OVERSCAN entries further."""
+        evict = self._evict_device if index is self._dev else self._evict_host
+        got = evict(index.victims(need), want=need)
+        if got < need:
+            evict(index.victims(need + _OVERSCAN), want=need - got)
 
     def _evict_host(self, victims: list[int], want: int | None = None) -> int:
         """Free host slots from `victims` (LRU order) until `want` are free or on their way.
@@ -840,7 +858,7 @@ class TieredPool:
         Clean pages go now. Dirty pages the write policy keeps are queued for backup while the
         remote tier is healthy (they go once durable); while it is not, the oldest are dropped,
         counted and logged once per outage. Pages already queued are passed over, so clean
-        pages behind them still go. Returns how many were freed now."""
+        pages behind them still go. Returns how many are free now or on their way."""
         host, dev = self._host, self._dev
         want = len(victims) if want is None else want
         free, queued, unavailable = [], 0, 0
@@ -877,7 +895,7 @@ class TieredPool:
         if queued:
             self._changed.notify_all()
         self.counters.evictions["host"] += len(free)
-        return len(free)
+        return len(free) + queued
 
     def _count_drop(self, reason: str, n: int) -> None:
         self.counters.dropped[reason] += n
