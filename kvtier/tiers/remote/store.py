@@ -120,6 +120,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -182,6 +183,12 @@ def _store_directory(location: Union[str, os.PathLike]) -> str:
     raise ValueError(
         f"store location {location!r} has scheme {parsed.scheme!r}; expected file:// or a path"
     )
+
+
+def _log_by_reason(message: str, bad: dict[int, str]) -> None:
+    """One warning per distinct reason, with how many pages it took."""
+    for reason, count in Counter(bad.values()).items():
+        logger.warning(message, count, reason)
 
 
 def check_ids(ids: Sequence[bytes]) -> list[bytes]:
@@ -427,8 +434,7 @@ class RemoteStore:
             self._release_quietly(slots)
             self._count(write_failures=len(slots))
             return published
-        for i, reason in located.bad.items():
-            logger.warning("remote put of page %d skipped: %s", i, reason)
+        _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
         chunks = self._chunks(writable)
         # The first request's seal has nothing to overlap with: it runs now, split across the
@@ -513,10 +519,8 @@ class RemoteStore:
                 located = None
                 failed.extend(wanted)
             if located is not None:
-                for j, reason in located.bad.items():
-                    logger.warning("remote page in segment %d slot %d unreadable: %s",
-                                   locations[wanted[j]].seg, locations[wanted[j]].slot, reason)
-                    failed.append(wanted[j])
+                _log_by_reason("remote get: %d pages unreadable: %s", located.bad)
+                failed.extend(wanted[j] for j in located.bad)
                 readable = [j for j in range(len(wanted)) if j not in located.bad]
                 headers = np.zeros((len(readable), records.HEADER_BYTES), dtype=np.uint8)
                 row = 0
@@ -724,22 +728,25 @@ class RemoteStore:
     ) -> None:
         """Take pages that could not be read, or whose records failed their checks, out of the
         index, unless a writer replaced them meanwhile (a raced read)."""
-        self._count(read_failures=len(unreadable))
-        if not bad:
+        if not unreadable and not bad:
             return
         try:
-            dropped = self._index.drop_current(self._ns_fp, [(key, loc.token) for key, loc in bad])
+            dropped = self._index.drop_current(
+                self._ns_fp, [(key, loc.token) for key, loc in unreadable + bad]
+            )
         except sqlite3.Error as exc:
-            logger.error("could not unpublish %d unreadable remote pages: %r", len(bad), exc)
-            dropped = [False] * len(bad)
-        corrupt = sum(dropped)
-        for (key, loc), ok in zip(bad, dropped):
+            logger.error("could not unpublish %d unreadable remote pages: %r", len(unreadable) + len(bad), exc)
+            dropped = [False] * (len(unreadable) + len(bad))
+        corrupt = sum(dropped[len(unreadable):])
+        for (key, loc), ok in zip(bad, dropped[len(unreadable):]):
             if ok:
                 logger.warning(
                     "remote page %s in segment %d slot %d failed its header/checksum check; dropped",
                     key.hex(), loc.seg, loc.slot,
                 )
-        self._count(corrupt_reads=corrupt, raced_reads=len(bad) - corrupt)
+        self._count(
+            read_failures=len(unreadable), corrupt_reads=corrupt, raced_reads=len(bad) - corrupt
+        )
 
     def _move(self, op: str, local: np.ndarray, remote: np.ndarray) -> None:
         """One NIXL request; registers the local ranges not covered by host registrations for
