@@ -1,4 +1,6 @@
-"""RemoteStore on real NIXL (POSIX backend) and real files: durability, sharing, failures."""
+"""RemoteStore on real NIXL (POSIX backend) and real files: the data path, keys and ids,
+scatter/gather buffers, sharing, capacity. Helpers and the store fixture live here and are
+imported by the other tests/test_remote_*.py files."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,10 @@ import torch
 
 pytest.importorskip("nixl_cu13")
 
-from kvtier.tiers.remote import (  # noqa: E402
-    HEADER_BYTES,
-    SLOT_ALIGN,
-    RemoteStore,
-    RemoteUnavailable,
-)
+from kvtier.index.keys import key_id, key_ids  # noqa: E402
+from kvtier.tiers.remote import RemoteStore, RemoteUnavailable, namespace_fingerprint  # noqa: E402
+from kvtier.tiers.remote import records  # noqa: E402
+from kvtier.tiers.remote.segments import header_offset, payload_offset  # noqa: E402
 
 NS = "a1b2c3d4"
 PAGE = 16 << 10
@@ -73,13 +72,12 @@ def run_child(mode: str, directory: Path, marker: Path) -> subprocess.Popen:
     )
 
 
-def record_offsets(store: RemoteStore, key: str) -> tuple[Path, int, int]:
+def record_offsets(store: RemoteStore, key) -> tuple[Path, int, int]:
     """(segment file, header offset, payload offset) of a key, from the documented layout."""
-    (loc,) = store._index.lookup(store.namespace, [key.encode()])
+    (loc,) = store._index.lookup(namespace_fingerprint(store.namespace), [key_id(key)])
     stride, nslots = store._index.segment(loc.seg)
-    table = -(-nslots * HEADER_BYTES // SLOT_ALIGN) * SLOT_ALIGN
     path = Path(store.directory) / "segments" / f"{loc.seg:08d}.seg"
-    return path, loc.slot * HEADER_BYTES, table + loc.slot * stride
+    return path, header_offset(loc.slot), payload_offset(stride, nslots, loc.slot)
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -117,10 +115,165 @@ def test_round_trip_is_bit_exact_for_tensors_and_pointers(open_store):
     assert store.get(keys, out[:6] + as_pointers) == [True] * 12
     assert same(out, data)
     assert store.get(["page-0"], [torch.zeros(PAGE, dtype=torch.uint8)]) == [True]
-    assert store.get([b"page-0"], [torch.zeros(PAGE, dtype=torch.uint8)]) == [True]  # same key
     s = store.stats()
-    assert (s["hits"], s["misses"], s["pages"], s["used_bytes"]) == (14, 0, 12, 12 * PAGE)
-    assert s["bytes_written"] == s["bytes_read"] - 2 * PAGE == 12 * PAGE
+    assert (s["hits"], s["misses"], s["pages"], s["used_bytes"]) == (13, 0, 12, 12 * PAGE)
+    assert s["bytes_written"] == s["bytes_read"] - PAGE == 12 * PAGE
+
+
+def test_str_and_bytes_keys_are_two_pages(open_store):
+    store = open_store()
+    as_str, as_bytes = random_pages(2, seed=21)
+    assert store.put(["abc"], [as_str]) == [True]
+    assert store.contains(["abc", b"abc"]) == [True, False]
+    assert store.put([b"abc"], [as_bytes]) == [True]
+    out = poisoned(2)
+    assert store.get(["abc", b"abc"], out) == [True, True]
+    assert same(out, [as_str, as_bytes])
+    assert store.delete(["abc"]) == [True]
+    out = poisoned(1)
+    assert store.contains(["abc", b"abc"]) == [False, True]
+    assert store.get([b"abc"], out) == [True] and torch.equal(out[0], as_bytes)
+    assert store.stats()["pages"] == 1
+
+
+@pytest.mark.parametrize("bad, error, pattern", [
+    (3, TypeError, "key 1: a key must be str or bytes, got int 3"),
+    (2.5, TypeError, "key 1: .*float 2.5"),
+    (("a", "b"), TypeError, "key 1: .*tuple"),
+    ("", ValueError, "key 1: a key must not be empty"),
+    (b"", ValueError, "key 1: a key must not be empty"),
+])
+def test_a_bad_key_raises_at_the_call_with_nothing_written(open_store, bad, error, pattern):
+    store = open_store()
+    data = random_pages(2, seed=22)
+    with pytest.raises(error, match=pattern):
+        store.put(["good", bad], data)
+    with pytest.raises(error, match=pattern):
+        store.contains(["good", bad])
+    with pytest.raises(error, match=pattern):
+        store.get(["good", bad], poisoned(2))
+    with pytest.raises(error, match=pattern):
+        store.delete(["good", bad])
+    with pytest.raises(error, match=pattern):
+        store.exists(["good", bad])
+    s = store.stats()
+    assert (s["pages"], s["segments"], s["reserved_slots"], s["write_failures"]) == (0, 0, 0, 0)
+    assert store.contains(["good"]) == [False]
+    assert not (Path(store.directory) / "segments" / "00000001.seg").exists()
+
+
+def test_id_methods_are_the_key_methods_without_hashing(open_store):
+    store = open_store()
+    keys = ["s-0", b"b-1", "s-2"]
+    data = random_pages(3, seed=23)
+    ids = key_ids(keys)
+    assert store.put_ids(ids, data) == [True] * 3
+    assert store.contains(keys) == [True] * 3
+    assert store.contains_ids(ids + [key_id("other")]) == [True, True, True, False]
+    out = poisoned(3)
+    assert store.get(keys, out) == [True] * 3 and same(out, data)
+    out = poisoned(3)
+    assert store.get_ids(ids, out) == [True] * 3 and same(out, data)
+    assert store.delete_ids(ids[:1]) == [True]
+    assert store.contains(keys) == [False, True, True]
+    for call in (store.contains_ids, store.delete_ids):
+        with pytest.raises(ValueError, match="id 1 is 15 bytes; expected 16"):
+            call([ids[0], ids[1][:15]])
+        with pytest.raises(TypeError, match="id 0 is a str"):
+            call(["s-0"])
+    with pytest.raises(ValueError, match="id 0 is 32 bytes; expected 16"):
+        store.put_ids([bytes(32)], data[:1])
+    with pytest.raises(ValueError, match="id 0 is 0 bytes"):
+        store.get_ids([b""], poisoned(1))
+    assert store.stats()["pages"] == 2
+
+
+def pieces_of(page: torch.Tensor, sizes: list[int]) -> list[tuple[int, int]]:
+    """(ptr, nbytes) pieces of consecutive slices of ``page`` with the given sizes."""
+    assert sum(sizes) == page.numel()
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(page.data_ptr() + o, n) for o, n in zip(offsets, sizes)]
+
+
+def scattered(pool: torch.Tensor, page: int, sizes: list[int], pages: int) -> list[tuple[int, int]]:
+    """Pieces of one page laid out as a layer-first host pool: piece j of every page sits in
+    plane j, so a page's pieces are far apart and in no address order."""
+    pieces, base = [], pool.data_ptr()
+    for j, size in enumerate(sizes):
+        plane = sum(sizes[:j]) * pages
+        pieces.append((base + plane + page * size, size))
+    return pieces[::-1][::-1]
+
+
+@pytest.mark.parametrize("sizes", [
+    [PAGE],                                  # MLA page_first: one piece
+    [PAGE // 2 + 2048, PAGE // 2 - 2048],    # MHA page_first, asymmetric K / V heads
+    [2048] * 8,                              # MHA layer_first, L = 4: K and V per layer
+    [1024, 3072, 512, 3584, 2048, 2048, 4096],  # unequal pieces of any size
+])
+def test_scatter_gather_round_trips_bit_exact_into_poisoned_pieces(open_store, sizes):
+    store = open_store()
+    n = 5
+    source = torch.randint(1, 256, (n * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(len(sizes)))
+    store.register_host_memory(source)
+    pages = [source[i * PAGE : (i + 1) * PAGE] for i in range(n)]
+    keys = [f"sg-{len(sizes)}-{i}" for i in range(n)]
+    assert store.put(keys, [pieces_of(p, sizes) for p in pages]) == [True] * n
+    # Read into a layer-first pool: pieces of one page scattered over planes.
+    dest = torch.zeros(n * PAGE, dtype=torch.uint8)
+    assert store.get(keys, [scattered(dest, i, sizes, n) for i in range(n)]) == [True] * n
+    for i in range(n):
+        got = torch.cat([dest[p - dest.data_ptr() : p - dest.data_ptr() + size]
+                         for p, size in scattered(dest, i, sizes, n)])
+        assert torch.equal(got, pages[i]), f"page {i} differs"
+    # The record is the concatenation: a contiguous reader sees the same bytes.
+    out = poisoned(n)
+    assert store.get(keys, out) == [True] * n and same(out, pages)
+    store.unregister_host_memory(source)
+
+
+def test_pieces_of_a_small_page_and_2k_pieces_share_one_aligned_slot(open_store):
+    page = 6 << 10  # not a multiple of the 4 KiB slot alignment
+    store = open_store(page_bytes=page)
+    data = random_pages(4, seed=24, size=page)
+    assert store.put([f"s{i}" for i in range(4)], [pieces_of(d, [2048] * 3) for d in data]) == [True] * 4
+    out = poisoned(4, page)
+    assert store.get([f"s{i}" for i in range(4)], [pieces_of(o, [4096, 2048]) for o in out]) == [True] * 4
+    assert same(out, data)
+    assert store.slot_stride == 8192
+    _, _, first = record_offsets(store, "s0")
+    _, _, second = record_offsets(store, "s1")
+    assert first % 4096 == 0 and second - first == 8192
+
+
+def test_a_page_of_pieces_is_present_only_when_every_piece_was_written(open_store):
+    # One page per request: a failed request takes all pieces of its page with it.
+    store = open_store(pipeline_bytes=PAGE)
+    data = random_pages(3, seed=25)
+    sizes = [4096, 2048, 6144, 4096]
+    store.faults.arm("error_after_io", count=1, op="WRITE")
+    assert store.put(["p0", "p1", "p2"], [pieces_of(d, sizes) for d in data]) == [False, True, True]
+    assert store.contains(["p0", "p1", "p2"]) == [False, True, True]
+    out = poisoned(3)
+    assert store.get(["p0", "p1", "p2"], [pieces_of(o, sizes) for o in out]) == [False, True, True]
+    assert same(out[1:], data[1:])
+    assert store.stats()["write_failures"] == 1
+
+
+def test_pieces_that_do_not_sum_to_page_bytes_raise_naming_both_numbers(open_store):
+    store = open_store()
+    page = random_pages(1, seed=26)[0]
+    with pytest.raises(ValueError, match=f"buffer 0: 2 pieces of {PAGE - 1024} bytes in all; expected page_bytes={PAGE}"):
+        store.put(["k"], [pieces_of(page, [PAGE // 2, PAGE // 2 - 1024] + [1024])[:2]])
+    with pytest.raises(ValueError, match=f"buffer 1: 2 pieces of {PAGE + 4096} bytes"):
+        store.get(["a", "b"], [page, [(page.data_ptr(), PAGE), (page.data_ptr(), 4096)]])
+    with pytest.raises(ValueError, match="buffer 0 is an empty list"):
+        store.put(["k"], [[]])
+    with pytest.raises(ValueError, match="buffer 0 piece 1 of 0 bytes"):
+        store.put(["k"], [[(page.data_ptr(), PAGE), (page.data_ptr(), 0)]])
+    with pytest.raises(TypeError, match="buffer 0 piece 0 of type str"):
+        store.put(["k"], [["abc"]])
+    assert store.stats()["pages"] == 0
 
 
 def test_a_key_twice_in_one_put_keeps_the_later_page(open_store):
@@ -192,80 +345,6 @@ def test_a_reopened_store_serves_everything_committed(open_store, tmp_path):
     assert again.stats()["pages"] == 20
 
 
-def test_corrupt_payload_or_header_is_a_counted_miss_and_dropped(open_store):
-    store = open_store()
-    data = random_pages(4, seed=5)
-    keys = ["k0", "k1", "k2", "k3"]
-    store.put(keys, data)
-    path, _, payload = record_offsets(store, "k1")
-    flip_byte(path, payload + PAGE // 2)
-    path, header, _ = record_offsets(store, "k2")
-    flip_byte(path, header)  # the magic
-    out = poisoned(4)
-    assert store.get(keys, out) == [True, False, False, True]
-    assert same([out[0], out[3]], [data[0], data[3]])
-    s = store.stats()
-    assert (s["corrupt_reads"], s["raced_reads"], s["pages"]) == (2, 0, 2)
-    assert store.contains(keys) == [True, False, False, True]
-    assert store.put(["k1"], [data[1]]) == [True]  # rewritten into a fresh slot
-    assert store.get(["k1"], out[:1]) == [True] and torch.equal(out[0], data[1])
-
-
-def test_a_writer_killed_before_publishing_leaves_nothing_visible(open_store, tmp_path):
-    directory = tmp_path / "store"
-    marker = tmp_path / "durable"
-    child = run_child("crash", directory, marker)
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert child.poll() is None, child.communicate()[0]
-        assert time.monotonic() < deadline, "the child never reached publication"
-        time.sleep(0.05)
-    child.kill()
-    child.wait()
-    store = open_store(reuse_delay_s=0.0)  # opening reclaims the dead writer's slots
-    keys = [f"crash-{i}" for i in range(8)]
-    written = random_pages(8, seed=7)
-    segment = (directory / "segments" / "00000001.seg").read_bytes()
-    assert written[0].numpy().tobytes() in segment  # the bytes were durable, not published
-    assert store.contains(keys) == [False] * 8
-    assert store.get(keys, poisoned(8)) == [False] * 8
-    s = store.stats()
-    assert (s["reserved_slots"], s["free_slots"], s["pages"]) == (0, 8, 0)
-    data = random_pages(8, seed=8)
-    assert all(store.put(keys, data))
-    assert store.stats()["free_slots"] == 0  # the reclaimed slots were reused
-    out = poisoned(8)
-    assert store.get(keys, out) == [True] * 8 and same(out, data)
-
-
-def test_injected_errors_and_timeouts_fail_cleanly(open_store):
-    store = open_store(timeout_s=0.3)
-    base = random_pages(4, seed=9)
-    keys = ["a", "b", "c", "d"]
-    assert all(store.put(keys, base))
-    other = random_pages(4, seed=10)
-    for mode in ("error", "error_after_io", "timeout"):
-        store.faults.arm(mode, op="WRITE")
-        start = time.monotonic()
-        assert store.put(keys, other) == [False] * 4  # an overwrite that must not land
-        if mode == "timeout":
-            assert time.monotonic() - start >= 0.3
-        assert store.put(["new"], other[:1]) == [True]  # the fault was spent
-        store.delete(["new"])
-    assert store.stats()["write_failures"] == 12
-    for mode in ("error", "error_after_io", "timeout"):
-        store.faults.arm(mode, op="READ")
-        assert store.get(keys, poisoned(4)) == [False] * 4
-        out = poisoned(4)
-        assert store.get(keys, out) == [True] * 4 and same(out, base)
-    s = store.stats()
-    assert (s["read_failures"], s["corrupt_reads"], s["reserved_slots"]) == (12, 0, 0)
-    assert (s["pages"], s["write_failures"]) == (4, 12)
-    store.faults.arm("error", count=5)
-    store.faults.disarm()
-    assert store.put(["after"], other[:1]) == [True]
-
-
 def test_namespaces_are_isolated_and_clear_is_scoped(open_store):
     a = open_store(namespace="aa")
     b = open_store(namespace="BB01")
@@ -318,28 +397,6 @@ def test_watermarks_evict_down_to_the_low_mark_and_reject_what_cannot_fit(open_s
                       high_watermark=1.0, low_watermark=1.0)
     assert tiny.put(["x", "y", "z"], data[:3]) == [True, True, False]
     assert tiny.stats()["rejected_writes"] == 1
-
-
-def test_a_read_racing_slot_reuse_is_a_miss_not_corruption(open_store, monkeypatch):
-    reader = open_store(reuse_delay_s=0.0)
-    writer = open_store(reuse_delay_s=0.0)
-    v1, v2, v3 = random_pages(3, seed=15)
-    writer.put(["k"], [v1])
-    looked_up = reader._index.lookup
-
-    def lookup_then_race(ns, keys):
-        found = looked_up(ns, keys)
-        writer.put(["k"], [v2])  # frees k's old slot...
-        writer.put(["other"], [v3])  # ...which is reused at once
-        return found
-
-    monkeypatch.setattr(reader._index, "lookup", lookup_then_race)
-    assert reader.get(["k"], poisoned(1)) == [False]
-    monkeypatch.undo()
-    s = reader.stats()
-    assert (s["raced_reads"], s["corrupt_reads"]) == (1, 0)
-    out = poisoned(1)
-    assert reader.get(["k"], out) == [True] and torch.equal(out[0], v2)
 
 
 def test_threads_never_read_torn_or_foreign_pages(open_store):
@@ -416,15 +473,15 @@ def test_gds_falls_back_to_posix_when_unavailable(open_store, caplog):
 def test_missing_nixl_raises_remote_unavailable_with_the_install_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl_cu13._api", None)
     monkeypatch.setitem(sys.modules, "nixl_cu12._api", None)
-    with pytest.raises(RemoteUnavailable, match="pip install --no-deps nixl-cu13==1.5.1 numpy"):
+    with pytest.raises(RemoteUnavailable) as raised:
         RemoteStore(tmp_path, namespace=NS, page_bytes=PAGE)
+    assert "pip install --no-deps nixl-cu13==1.5.1 (CUDA 13" in str(raised.value)
+    assert "pip install --no-deps nixl-cu12==1.5.1 (CUDA 12)" in str(raised.value)
 
 
 def test_missing_crc32c_raises_remote_unavailable_with_the_install_line(tmp_path, monkeypatch):
-    import kvtier.tiers.remote as remote
-
-    monkeypatch.setattr(remote, "crc32c", None)
-    with pytest.raises(RemoteUnavailable, match="crc32c.*pip install --no-deps nixl-cu13==1.5.1 numpy crc32c"):
+    monkeypatch.setattr(records, "crc32c", None)
+    with pytest.raises(RemoteUnavailable, match="crc32c, which is not installed.*pip install crc32c"):
         RemoteStore(tmp_path, namespace=NS, page_bytes=PAGE)
 
 
@@ -438,16 +495,18 @@ def test_bad_arguments_name_the_value_and_the_expectation(open_store, tmp_path):
     with pytest.raises(ValueError, match="'s3'"):
         open_store(location="s3://bucket/x")
     store = open_store()
-    with pytest.raises(ValueError, match=f"4096 bytes; expected page_bytes={PAGE}"):
+    with pytest.raises(ValueError, match=f"buffer 0 of 4096 bytes; expected page_bytes={PAGE}"):
         store.put(["k"], [torch.zeros(4096, dtype=torch.uint8)])
     with pytest.raises(ValueError, match="2 buffers for 1 keys"):
         store.put(["k"], poisoned(2))
     with pytest.raises(ValueError, match="contiguous"):
         store.get(["k"], [torch.zeros(2 * PAGE, dtype=torch.uint8)[::2]])
-    with pytest.raises(TypeError, match="int; expected str or bytes"):
+    with pytest.raises(TypeError, match="key 0: a key must be str or bytes, got int 3"):
         store.contains([3])
-    with pytest.raises(TypeError, match="list"):
+    with pytest.raises(TypeError, match="buffer 0 piece 0 of type int"):
         store.put(["k"], [[0] * PAGE])
+    with pytest.raises(ValueError, match="buffer 0 of 8 bytes"):
+        store.put(["k"], [(0x1000, 8)])
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.contains(["k"])

@@ -1,0 +1,108 @@
+"""Caller memory as pages: each page one contiguous buffer or an ordered list of pieces.
+
+Owns the checking of the buffers handed to the data path and their flattening into arrays of
+pieces (pointer, length, offset inside the page) that descriptors are built from. It must
+never read or write the memory it describes, beyond handing out views for checksums.
+
+A buffer per page is one of: a contiguous CPU tensor of ``page_bytes``; a ``(ptr, nbytes)``
+tuple of host memory; or a list of such tuples or tensors (pieces) whose sizes sum to
+``page_bytes``. Pieces are one record, written in order and read back into the same pieces
+(an SGLang host pool gives K and V of a page, or one piece per layer, at separate addresses).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+Piece = Union[torch.Tensor, tuple]
+Buffer = Union[torch.Tensor, tuple, list]
+
+
+def view(ptr: int, nbytes: int) -> ctypes.Array:
+    return (ctypes.c_ubyte * nbytes).from_address(ptr)
+
+
+def pointer(buffer: Piece, what: str = "buffer") -> tuple[int, int]:
+    """(address, bytes) of a contiguous CPU tensor or a ``(ptr, nbytes)`` tuple."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError(f"{what} on {buffer.device}; expected a CPU tensor")
+        if not buffer.is_contiguous():
+            raise ValueError(f"{what} of strides {buffer.stride()}; expected contiguous")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    if isinstance(buffer, tuple) and len(buffer) == 2:
+        ptr, nbytes = int(buffer[0]), int(buffer[1])
+        if ptr <= 0:
+            raise ValueError(f"{what} pointer {ptr:#x}; expected an address of host memory")
+        if nbytes <= 0:
+            raise ValueError(f"{what} of {nbytes} bytes; expected > 0")
+        return ptr, nbytes
+    raise TypeError(
+        f"{what} of type {type(buffer).__name__}; expected a CPU torch.Tensor, a (ptr, nbytes) "
+        "tuple, or a list of (ptr, nbytes) pieces"
+    )
+
+
+class PageBuffers:
+    """The pieces of a batch of pages, flattened: page ``i`` owns pieces
+    ``first[i] .. first[i + 1]``; ``offsets`` are where each piece starts inside its page."""
+
+    __slots__ = ("count", "page_bytes", "ptrs", "lens", "offsets", "first", "single")
+
+    def __init__(self, buffers: Sequence[Buffer], count: int, page_bytes: int):
+        if len(buffers) != count:
+            raise ValueError(f"{len(buffers)} buffers for {count} keys; expected one per key")
+        self.count = count
+        self.page_bytes = page_bytes
+        ptrs: list[int] = []
+        lens: list[int] = []
+        first = [0]
+        for i, buffer in enumerate(buffers):
+            if isinstance(buffer, list):
+                if not buffer:
+                    raise ValueError(f"buffer {i} is an empty list; expected pieces summing to page_bytes={page_bytes}")
+                total = 0
+                for j, piece in enumerate(buffer):
+                    ptr, nbytes = pointer(piece, f"buffer {i} piece {j}")
+                    ptrs.append(ptr)
+                    lens.append(nbytes)
+                    total += nbytes
+                if total != page_bytes:
+                    raise ValueError(
+                        f"buffer {i}: {len(buffer)} pieces of {total} bytes in all; expected "
+                        f"page_bytes={page_bytes}"
+                    )
+            else:
+                ptr, nbytes = pointer(buffer, f"buffer {i}")
+                if nbytes != page_bytes:
+                    raise ValueError(f"buffer {i} of {nbytes} bytes; expected page_bytes={page_bytes}")
+                ptrs.append(ptr)
+                lens.append(nbytes)
+            first.append(len(ptrs))
+        self.ptrs = np.array(ptrs, dtype=np.uint64)
+        self.lens = np.array(lens, dtype=np.uint64)
+        self.first = np.array(first, dtype=np.int64)
+        self.single = len(ptrs) == count
+        if self.single:
+            self.offsets = np.zeros(len(ptrs), dtype=np.uint64)
+        else:
+            page_start = np.repeat(self.first[:-1], np.diff(self.first))
+            ends = np.cumsum(self.lens)
+            self.offsets = ends - self.lens - np.concatenate(([0], ends))[page_start].astype(np.uint64)
+
+    def pieces_of(self, pages: Sequence[int]) -> np.ndarray:
+        """Indices of the pieces of ``pages``, page by page, in order."""
+        if self.single:
+            return np.asarray(pages, dtype=np.int64)
+        return np.concatenate(
+            [np.arange(self.first[p], self.first[p + 1]) for p in pages]
+        ) if len(pages) else np.empty(0, dtype=np.int64)
+
+    def views(self, page: int) -> list[ctypes.Array]:
+        """Views of one page's pieces, for checksums."""
+        lo, hi = int(self.first[page]), int(self.first[page + 1])
+        return [view(int(p), int(n)) for p, n in zip(self.ptrs[lo:hi], self.lens[lo:hi])]

@@ -1,0 +1,754 @@
+"""Shared, crash-safe index of the remote page store: which slot holds which page.
+
+Owns the SQLite database ``index.sqlite3`` in a store directory and every decision about slots:
+allocation, publication, LRU eviction between watermarks, freeing, and reclaiming the slots of
+writers that died. It is pure Python (stdlib ``sqlite3``) and moves no page bytes; the store
+moves bytes with NIXL and calls ``reserve`` before writing a record and ``publish`` only after
+the record is durable.
+
+Pages are rows keyed by ``(ns, key)``: the 16-byte namespace fingerprint and the 16-byte key id
+(``kvtier.index.keys.key_id``), the same two fields a record header carries (schema 2; schema 1
+keyed pages by the namespace hex and the key's UTF-8 bytes, which made ``"k"`` and ``b"k"`` one
+page, and is refused at open).
+
+Rules it keeps, whatever process or thread calls it:
+- A slot is in exactly one state: never used (at or above a segment's ``next_unused``),
+  reserved (a row in ``reservations``, owned by one writer), published (a row in ``pages``), or
+  free (a row in ``free_slots``). Every transition happens inside a ``BEGIN IMMEDIATE``
+  transaction, so ``sum(next_unused) = pages + reservations + free slots`` always.
+- A page becomes visible only through ``publish``, which succeeds only while the writer still
+  owns its reservation; a writer that died keeps its reservation until ``reclaim`` frees it, so
+  a half-written slot is never visible.
+- A slot that held a published page (overwritten, deleted, evicted, cleared, found unreadable)
+  is handed out again only after ``reuse_delay_s``, so a reader that looked the page up just
+  before it was freed normally finishes reading before the slot is rewritten. The record header
+  and checksum, checked by the reader, make the rare slower reader a miss, never wrong bytes.
+- No transaction is long: work over many rows (eviction, publication, deletion, clearing, LRU
+  hits) runs in transactions of at most ``ROWS_PER_TRANSACTION`` rows, so neither this index's
+  lock nor SQLite's write lock is held for long (about 3 ms per 256 evicted pages on a 2-vCPU
+  VM; ``benchmarks/remote_index_locks.py``). A large put may therefore publish its pages in
+  several steps; each page is published whole or not at all. ``longest_hold_s`` records the
+  longest hold since open.
+- Page and byte counts, store-wide (``meta``) and per namespace (``namespaces``), are kept by
+  the transactions that publish and remove pages, so ``stats`` reads a few rows whatever the
+  store holds.
+- LRU order is a logical clock in the database (``last_access``), bumped by publication and by
+  hits. Hits are buffered in memory and written before this index's next write, by
+  ``flush_touches`` (which ``touch`` asks for after ``TOUCH_FLUSH_PAGES`` hits or
+  ``TOUCH_FLUSH_S`` seconds), and on close: a hit costs no write transaction, the order is exact
+  for this index's own writes, and other processes see its hits within about a second. Hits of a
+  process that dies before a flush are lost (those pages just look older).
+- Eviction is store-wide: pages of every namespace in the directory compete for one capacity.
+  Removal by namespace (``clear``) never touches another namespace.
+
+Reads (``lookup``, ``present``, ``stats``) go through a second connection with its own lock, so
+they never wait behind this process's write transactions (WAL readers see the last commit).
+
+It must never touch segment files beyond calling the ``create_segment`` callback it is given,
+and never hold its lock while a caller moves bytes.
+
+Durability: WAL journal with ``synchronous=NORMAL``. A commit survives a process crash; after an
+operating-system crash or power loss the last commits may be lost, which makes those pages misses
+(their records were made durable before publication, and a lost publication is only a lost page;
+a slot reused after a lost commit holds another key's record, which readers reject).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
+
+from kvtier.tiers.remote.errors import StoreCorrupt, StoreVersionMismatch
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+TOUCH_FLUSH_PAGES = 4096
+TOUCH_FLUSH_S = 1.0
+RECLAIM_INTERVAL_S = 30.0
+ROWS_PER_TRANSACTION = 128
+CHECKPOINT_EVERY_TRANSACTIONS = 64
+CHECKPOINT_EVERY_S = 1.0
+_SQL_CHUNK = 500
+
+_SCHEMA = """
+CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE segments (
+    id INTEGER PRIMARY KEY,
+    slot_stride INTEGER NOT NULL,
+    nslots INTEGER NOT NULL,
+    next_unused INTEGER NOT NULL
+);
+CREATE INDEX segments_open ON segments (slot_stride, id);
+CREATE TABLE pages (
+    ns BLOB NOT NULL,
+    key BLOB NOT NULL,
+    seg INTEGER NOT NULL,
+    slot INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    crc INTEGER NOT NULL,
+    token INTEGER NOT NULL,
+    last_access INTEGER NOT NULL,
+    PRIMARY KEY (ns, key)
+) WITHOUT ROWID;
+CREATE INDEX pages_lru ON pages (last_access);
+CREATE UNIQUE INDEX pages_slot ON pages (seg, slot);
+CREATE TABLE namespaces (
+    ns BLOB PRIMARY KEY,
+    pages INTEGER NOT NULL,
+    used_bytes INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE reservations (
+    seg INTEGER NOT NULL,
+    slot INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    owner TEXT NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (seg, slot)
+) WITHOUT ROWID;
+CREATE TABLE free_slots (
+    seg INTEGER NOT NULL,
+    slot INTEGER NOT NULL,
+    slot_stride INTEGER NOT NULL,
+    free_after REAL NOT NULL,
+    PRIMARY KEY (seg, slot)
+) WITHOUT ROWID;
+CREATE INDEX free_by_stride ON free_slots (slot_stride, free_after);
+"""
+
+
+class SlotRef(NamedTuple):
+    """One slot of one segment file."""
+
+    seg: int
+    slot: int
+
+
+class PageLocation(NamedTuple):
+    """Where a published page lives and what its record must say."""
+
+    seg: int
+    slot: int
+    length: int
+    crc: int
+    token: int
+
+
+class PublishEntry(NamedTuple):
+    """A durable record to make visible: key id, slot, payload length, CRC32C, write token."""
+
+    key: bytes
+    slot: SlotRef
+    length: int
+    crc: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Result of ``reserve``: slots now owned by the caller, in request order."""
+
+    slots: list[SlotRef]
+    evicted: int
+
+
+def recovery_hint(directory: str) -> str:
+    return (
+        f"check it with `kvtier store check {directory}`; rebuild the index from the segment "
+        f"files with `kvtier store rebuild {directory}` once no process has the store open "
+        "(the damaged index is kept beside the new one)"
+    )
+
+
+def _process_start_ticks(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] == b"Z":
+        return -1
+    return int(fields[19])
+
+
+def make_owner(instance_token: str) -> str:
+    """Identity of a writer: host, pid, pid start time, and a token unique to one open index."""
+    pid = os.getpid()
+    return f"{socket.gethostname()}|{pid}|{_process_start_ticks(pid)}|{instance_token}"
+
+
+def _owner_is_dead(owner: str, created: float, now: float, lease_s: float) -> bool:
+    host, pid_text, start_text, _ = owner.split("|")
+    if host != socket.gethostname():
+        return now - created > lease_s
+    pid = int(pid_text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    start = _process_start_ticks(pid)
+    return start == -1 or (start is not None and str(start) != start_text)
+
+
+def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class RemoteIndex:
+    """The SQLite index of one store directory, shared by every process that opens it."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        owner: str,
+        reuse_delay_s: float,
+        reservation_lease_s: float,
+        busy_timeout_s: float,
+    ):
+        self.path = path
+        self.directory = os.path.dirname(path)
+        self.owner = owner
+        self.reuse_delay_s = reuse_delay_s
+        self.reservation_lease_s = reservation_lease_s
+        self.longest_hold_s = 0.0
+        self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._pending_touches: list[tuple[bytes, bytes]] = []
+        self._oldest_touch = 0.0
+        self._last_reclaim = 0.0
+        self._checkpoint_lock = threading.Lock()
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        self._db = self._reader = self._checkpointer = None
+        try:
+            self._db = self._connect(busy_timeout_s)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA wal_autocheckpoint=0")
+            self._create_or_check_schema()
+            self._reader = self._connect(busy_timeout_s)
+            self._reader.execute("PRAGMA query_only=1")
+            self._checkpointer = self._connect(busy_timeout_s)
+        except sqlite3.DatabaseError as exc:
+            self._close_connections()
+            what = "is damaged or not a kvtier index" if not isinstance(
+                exc, sqlite3.OperationalError
+            ) else "could not be opened"
+            raise StoreCorrupt(
+                f"store index {path} {what} ({type(exc).__name__}: {exc}); {recovery_hint(self.directory)}"
+            ) from exc
+        except BaseException:
+            self._close_connections()
+            raise
+
+    def _connect(self, busy_timeout_s: float) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+
+    def _close_connections(self) -> None:
+        for db in (self._db, self._reader, self._checkpointer):
+            if db is not None:
+                db.close()
+
+    def _create_or_check_schema(self) -> None:
+        with self._transaction() as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?), ('clock', 0), "
+                    "('used_bytes', 0), ('pages', 0)",
+                    (SCHEMA_VERSION,),
+                )
+                return
+            row = None
+            if "meta" in tables:
+                row = db.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+            if row is None:
+                raise sqlite3.DatabaseError(f"tables {sorted(tables)} but no kvtier schema version")
+            if row[0] != SCHEMA_VERSION:
+                raise StoreVersionMismatch(
+                    f"store index {self.path} has schema {row[0]}; this kvtier reads schema "
+                    f"{SCHEMA_VERSION} (pages keyed by 16-byte key ids, record format 3), so the "
+                    f"store's pages cannot be served. Move or delete {self.directory} (or give "
+                    "the pool another directory) to start an empty store there."
+                )
+
+    def set_busy_timeout(self, seconds: float) -> None:
+        """How long a transaction waits for another process's write lock."""
+        for db in (self._db, self._reader, self._checkpointer):
+            db.execute(f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}")
+
+    # ----------------------------------------------------------------- transactions
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; BEGIN IMMEDIATE takes the database write lock up front, so two
+        writers never deadlock upgrading read locks. The WAL is checkpointed after the commit,
+        outside the lock (see ``_checkpoint``)."""
+        with self._lock:
+            start = time.monotonic()
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            finally:
+                self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - start)
+            self._since_checkpoint += 1
+            due = (
+                self._since_checkpoint >= CHECKPOINT_EVERY_TRANSACTIONS
+                or start - self._last_checkpoint >= CHECKPOINT_EVERY_S
+            )
+        if due:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database on a connection of its own. SQLite's automatic
+        checkpoint runs inside the COMMIT that crosses 1,000 WAL pages, with two fsyncs, under
+        this index's lock: measured here it held the lock for 0.3-1 s (the longest hold of a
+        4,096-page publish went from 1,038 ms to 5 ms without it). A PASSIVE checkpoint waits for
+        no reader or writer; one thread checkpoints at a time, the others skip."""
+        if not self._checkpoint_lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                self._since_checkpoint = 0
+                self._last_checkpoint = time.monotonic()
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as exc:
+            logger.warning("index checkpoint of %s failed (retried later): %r", self.path, exc)
+        finally:
+            self._checkpoint_lock.release()
+
+    @staticmethod
+    def _meta(db: sqlite3.Connection, name: str) -> int:
+        return db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()[0]
+
+    @staticmethod
+    def _add_meta(db: sqlite3.Connection, name: str, delta: int) -> None:
+        db.execute("UPDATE meta SET value = value + ? WHERE name = ?", (delta, name))
+
+    def _tick(self, db: sqlite3.Connection, count: int) -> int:
+        """Reserve ``count`` consecutive logical-clock values; returns the first."""
+        first = self._meta(db, "clock") + 1
+        self._add_meta(db, "clock", count)
+        return first
+
+    def _count_pages(self, db: sqlite3.Connection, rows: Iterable[tuple[bytes, int]], sign: int) -> None:
+        """Add (sign=1) or remove (sign=-1) pages given as (ns, length) from the counters."""
+        pages: Counter = Counter()
+        used: Counter = Counter()
+        for ns, length in rows:
+            pages[ns] += 1
+            used[ns] += length
+        if not pages:
+            return
+        db.executemany(
+            "INSERT INTO namespaces VALUES (?, ?, ?) ON CONFLICT (ns) DO UPDATE SET "
+            "pages = pages + excluded.pages, used_bytes = used_bytes + excluded.used_bytes",
+            [(ns, sign * pages[ns], sign * used[ns]) for ns in pages],
+        )
+        self._add_meta(db, "pages", sign * sum(pages.values()))
+        self._add_meta(db, "used_bytes", sign * sum(used.values()))
+
+    def _free(self, db: sqlite3.Connection, slots: Iterable[tuple[int, int]], now: float) -> None:
+        """Move slots to the free list; reusable after the reuse delay."""
+        db.executemany(
+            "INSERT INTO free_slots SELECT ?, ?, slot_stride, ? FROM segments WHERE id = ?",
+            [(seg, slot, now + self.reuse_delay_s, seg) for seg, slot in slots],
+        )
+
+    def _remove_pages(self, db: sqlite3.Connection, rows: Sequence[tuple], now: float) -> None:
+        """Unpublish pages given as (ns, key, seg, slot, length) rows and free their slots."""
+        db.executemany("DELETE FROM pages WHERE ns = ? AND key = ?", [r[:2] for r in rows])
+        self._free(db, [(r[2], r[3]) for r in rows], now)
+        self._count_pages(db, ((r[0], r[4]) for r in rows), -1)
+
+    # ----------------------------------------------------------------- reads
+    def lookup(self, ns: bytes, keys: Sequence[bytes]) -> list[Optional[PageLocation]]:
+        """Location of each key's published page in namespace ``ns``, or None."""
+        found: dict[bytes, PageLocation] = {}
+        for start in range(0, len(keys), _SQL_CHUNK):
+            chunk = list(dict.fromkeys(keys[start : start + _SQL_CHUNK]))
+            with self._read_lock:
+                rows = self._reader.execute(
+                    f"SELECT key, seg, slot, length, crc, token FROM pages "
+                    f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
+                    (ns, *chunk),
+                ).fetchall()
+            for key, seg, slot, length, crc, token in rows:
+                found[key] = PageLocation(seg, slot, length, crc, token)
+        return [found.get(key) for key in keys]
+
+    def present(self, ns: bytes, keys: Sequence[bytes], length: int) -> list[bool]:
+        """Whether each key has a published page of ``length`` bytes in ``ns`` (no locations)."""
+        found: set[bytes] = set()
+        for start in range(0, len(keys), _SQL_CHUNK):
+            chunk = keys[start : start + _SQL_CHUNK]
+            with self._read_lock:
+                rows = self._reader.execute(
+                    f"SELECT key FROM pages WHERE ns = ? AND length = ? "
+                    f"AND key IN ({','.join('?' * len(chunk))})",
+                    (ns, length, *chunk),
+                ).fetchall()
+            found.update(row[0] for row in rows)
+        return [key in found for key in keys]
+
+    def segment(self, seg: int) -> tuple[int, int]:
+        """(slot_stride, nslots) of segment ``seg``."""
+        with self._read_lock:
+            row = self._reader.execute(
+                "SELECT slot_stride, nslots FROM segments WHERE id = ?", (seg,)
+            ).fetchone()
+        if row is None:
+            raise KeyError(f"segment {seg} is not in {self.path}")
+        return row
+
+    def touch(self, ns: bytes, keys: Iterable[bytes]) -> bool:
+        """Record hits for LRU, written before this index's next write. Returns True when enough
+        are buffered (``TOUCH_FLUSH_PAGES``, or older than ``TOUCH_FLUSH_S``) that the caller
+        should call ``flush_touches``, from a thread of its choice."""
+        with self._lock:
+            if not self._pending_touches:
+                self._oldest_touch = time.monotonic()
+            self._pending_touches.extend((ns, key) for key in keys)
+            return (
+                len(self._pending_touches) >= TOUCH_FLUSH_PAGES
+                or time.monotonic() - self._oldest_touch >= TOUCH_FLUSH_S
+            )
+
+    def flush_touches(self) -> None:
+        """Write buffered hits, ``ROWS_PER_TRANSACTION`` per transaction."""
+        with self._lock:
+            touches, self._pending_touches = self._pending_touches, []
+        for chunk in _chunks(touches, ROWS_PER_TRANSACTION):
+            with self._transaction() as db:
+                first = self._tick(db, len(chunk))
+                db.executemany(
+                    "UPDATE pages SET last_access = ? WHERE ns = ? AND key = ?",
+                    [(first + i, ns, key) for i, (ns, key) in enumerate(chunk)],
+                )
+
+    def stats(self, ns: bytes) -> dict[str, int]:
+        """Page counts and bytes of namespace ``ns`` and of the whole store, from counters the
+        writes keep (a few rows read, whatever the store holds)."""
+        with self._read_lock:
+            db = self._reader
+            db.execute("BEGIN")
+            try:
+                meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('pages', 'used_bytes')"))
+                row = db.execute("SELECT pages, used_bytes FROM namespaces WHERE ns = ?", (ns,)).fetchone()
+                segments, allocated = db.execute(
+                    "SELECT COUNT(*), COALESCE(SUM(next_unused), 0) FROM segments"
+                ).fetchone()
+                reserved = db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0]
+            finally:
+                db.execute("COMMIT")
+        pages, used = row if row is not None else (0, 0)
+        return {
+            "pages": pages,
+            "used_bytes": used,
+            "store_pages": meta["pages"],
+            "store_used_bytes": meta["used_bytes"],
+            "reserved_slots": reserved,
+            "free_slots": allocated - meta["pages"] - reserved,
+            "segments": segments,
+        }
+
+    # ----------------------------------------------------------------- writes
+    def reserve(
+        self,
+        count: int,
+        *,
+        length: int,
+        slot_stride: int,
+        slots_per_segment: int,
+        capacity_bytes: Optional[int],
+        high_watermark: float,
+        low_watermark: float,
+        create_segment: Callable[[int, int, int], None],
+    ) -> Reservation:
+        """Own ``count`` slots for records of ``length`` payload bytes, evicting LRU pages first.
+
+        When the published plus reserved bytes would pass ``high_watermark * capacity_bytes``,
+        least recently used pages (of any namespace) are evicted until they fit under
+        ``low_watermark * capacity_bytes``. Fewer slots than asked are returned only when the
+        request cannot fit even after evicting everything evictable. Eviction and allocation
+        run in transactions of at most ``ROWS_PER_TRANSACTION`` rows; ``create_segment(seg,
+        slot_stride, nslots)`` is called inside the transaction that adds a segment, so its file
+        exists before any other process can see the segment.
+        """
+        self.flush_touches()
+        slots: list[SlotRef] = []
+        evicted = 0
+        evicting = exhausted = False
+        while len(slots) < count:
+            want = count - len(slots)
+            with self._transaction() as db:
+                now = time.time()
+                if now - self._last_reclaim >= RECLAIM_INTERVAL_S:
+                    self._reclaim(db, now)
+                take = want
+                if capacity_bytes is not None:
+                    reserved = db.execute(
+                        "SELECT COALESCE(SUM(length), 0) FROM reservations"
+                    ).fetchone()[0]
+                    used = self._meta(db, "used_bytes") + reserved
+                    high = high_watermark * capacity_bytes
+                    if used + want * length > high:
+                        evicting = True
+                    if evicting and not exhausted and used > low_watermark * capacity_bytes - want * length:
+                        victims = self._evict_some(db, used - (low_watermark * capacity_bytes - want * length), now)
+                        evicted += victims
+                        exhausted = victims == 0
+                        if victims:
+                            continue
+                    take = min(want, max(0, int((high - used) // length)))
+                take = min(take, ROWS_PER_TRANSACTION)
+                if take == 0:
+                    break
+                new = self._allocate(db, take, slot_stride, slots_per_segment, now, create_segment)
+                db.executemany(
+                    "INSERT INTO reservations VALUES (?, ?, ?, ?, ?)",
+                    [(s.seg, s.slot, length, self.owner, now) for s in new],
+                )
+                slots.extend(new)
+        return Reservation(slots, evicted)
+
+    def _evict_some(self, db: sqlite3.Connection, excess: float, now: float) -> int:
+        """Evict least recently used pages, up to ``ROWS_PER_TRANSACTION``, until ``excess``
+        bytes are gone; returns how many."""
+        rows = db.execute(
+            "SELECT ns, key, seg, slot, length FROM pages ORDER BY last_access LIMIT ?",
+            (ROWS_PER_TRANSACTION,),
+        ).fetchall()
+        victims = []
+        for row in rows:
+            if excess <= 0:
+                break
+            victims.append(row)
+            excess -= row[4]
+        self._remove_pages(db, victims, now)
+        return len(victims)
+
+    def _allocate(
+        self,
+        db: sqlite3.Connection,
+        count: int,
+        slot_stride: int,
+        slots_per_segment: int,
+        now: float,
+        create_segment: Callable[[int, int, int], None],
+    ) -> list[SlotRef]:
+        slots = [
+            SlotRef(seg, slot)
+            for seg, slot in db.execute(
+                "SELECT seg, slot FROM free_slots WHERE slot_stride = ? AND free_after <= ? "
+                "ORDER BY seg, slot LIMIT ?",
+                (slot_stride, now, count),
+            )
+        ]
+        db.executemany(
+            "DELETE FROM free_slots WHERE seg = ? AND slot = ?", [(s.seg, s.slot) for s in slots]
+        )
+        open_segments = db.execute(
+            "SELECT id, nslots, next_unused FROM segments "
+            "WHERE slot_stride = ? AND next_unused < nslots ORDER BY id",
+            (slot_stride,),
+        ).fetchall()
+        for seg, nslots, next_unused in open_segments:
+            if len(slots) == count:
+                break
+            take = min(count - len(slots), nslots - next_unused)
+            slots.extend(SlotRef(seg, slot) for slot in range(next_unused, next_unused + take))
+            db.execute("UPDATE segments SET next_unused = ? WHERE id = ?", (next_unused + take, seg))
+        while len(slots) < count:
+            take = min(count - len(slots), slots_per_segment)
+            seg = db.execute(
+                "INSERT INTO segments (slot_stride, nslots, next_unused) VALUES (?, ?, ?)",
+                (slot_stride, slots_per_segment, take),
+            ).lastrowid
+            create_segment(seg, slot_stride, slots_per_segment)
+            slots.extend(SlotRef(seg, slot) for slot in range(take))
+        return slots
+
+    def publish(self, ns: bytes, entries: Sequence[PublishEntry]) -> list[bool]:
+        """Make durable records visible, ``ROWS_PER_TRANSACTION`` per transaction.
+
+        An entry whose reservation this writer no longer owns (reclaimed after its lease) is not
+        published and returns False. A key's previous page, if any, is freed; of two entries
+        for one key, the later wins (the earlier's slot is freed)."""
+        self.flush_touches()
+        published = [False] * len(entries)
+        latest: dict[bytes, int] = {}
+        superseded: list[int] = []
+        for i, entry in enumerate(entries):
+            if entry.key in latest:
+                superseded.append(latest[entry.key])
+            latest[entry.key] = i
+        winners = list(latest.values())
+        for chunk in _chunks(winners, ROWS_PER_TRANSACTION):
+            now = time.time()
+            with self._transaction() as db:
+                mine = [i for i in chunk if self._end_reservation(db, entries[i].slot)]
+                self._remove_pages(db, self._page_rows(db, ns, [entries[i].key for i in mine]), now)
+                first = self._tick(db, len(mine))
+                db.executemany(
+                    "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (ns, e.key, e.slot.seg, e.slot.slot, e.length, e.crc, e.token, first + n)
+                        for n, e in enumerate(entries[i] for i in mine)
+                    ],
+                )
+                self._count_pages(db, ((ns, entries[i].length) for i in mine), 1)
+            for i in mine:
+                published[i] = True
+        for i in superseded:
+            published[i] = published[latest[entries[i].key]]
+        self.release([entries[i].slot for i in superseded])
+        return published
+
+    def _end_reservation(self, db: sqlite3.Connection, slot: SlotRef) -> bool:
+        """Drop this writer's reservation of ``slot``; False if it owns none (reclaimed)."""
+        return db.execute(
+            "DELETE FROM reservations WHERE seg = ? AND slot = ? AND owner = ?",
+            (slot[0], slot[1], self.owner),
+        ).rowcount == 1
+
+    @staticmethod
+    def _page_rows(db: sqlite3.Connection, ns: bytes, keys: Sequence[bytes]) -> list[tuple]:
+        """(ns, key, seg, slot, length) rows of the published pages among ``keys``."""
+        rows = []
+        for chunk in _chunks(keys, _SQL_CHUNK):
+            rows.extend(
+                db.execute(
+                    f"SELECT ns, key, seg, slot, length FROM pages "
+                    f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
+                    (ns, *chunk),
+                )
+            )
+        return rows
+
+    def release(self, slots: Sequence[SlotRef]) -> None:
+        """Give back reserved slots that will not be published (failed or abandoned writes)."""
+        for chunk in _chunks(list(slots), ROWS_PER_TRANSACTION):
+            now = time.time()
+            with self._transaction() as db:
+                self._free(db, [s for s in chunk if self._end_reservation(db, s)], now)
+
+    def delete(self, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
+        """Unpublish keys of namespace ``ns``; True where a page existed."""
+        self.flush_touches()
+        existed: set[bytes] = set()
+        for chunk in _chunks(list(dict.fromkeys(keys)), ROWS_PER_TRANSACTION):
+            now = time.time()
+            with self._transaction() as db:
+                rows = self._page_rows(db, ns, chunk)
+                self._remove_pages(db, rows, now)
+            existed.update(row[1] for row in rows)
+        return [key in existed for key in keys]
+
+    def drop_current(self, ns: bytes, entries: Sequence[tuple[bytes, int]]) -> list[bool]:
+        """Unpublish each (key, token) only if the key's page is still that write (a record
+        that failed to read or verify); True where it was dropped."""
+        dropped: set[tuple[bytes, int]] = set()
+        for chunk in _chunks(list(dict.fromkeys(entries)), ROWS_PER_TRANSACTION):
+            now = time.time()
+            with self._transaction() as db:
+                rows = [
+                    row
+                    for key, token in chunk
+                    for row in db.execute(
+                        "SELECT ns, key, seg, slot, length, token FROM pages "
+                        "WHERE ns = ? AND key = ? AND token = ?",
+                        (ns, key, token),
+                    )
+                ]
+                self._remove_pages(db, [row[:5] for row in rows], now)
+            dropped.update((row[1], row[5]) for row in rows)
+        return [tuple(entry) in dropped for entry in entries]
+
+    def clear(self, ns: bytes) -> int:
+        """Unpublish every page of namespace ``ns`` and nothing else; returns the count."""
+        self.flush_touches()
+        removed = 0
+        while True:
+            now = time.time()
+            with self._transaction() as db:
+                rows = db.execute(
+                    "SELECT ns, key, seg, slot, length FROM pages WHERE ns = ? LIMIT ?",
+                    (ns, ROWS_PER_TRANSACTION),
+                ).fetchall()
+                self._remove_pages(db, rows, now)
+            removed += len(rows)
+            if len(rows) < ROWS_PER_TRANSACTION:
+                return removed
+
+    def reclaim(self) -> int:
+        """Free slots reserved by writers that died; returns how many."""
+        with self._transaction() as db:
+            return self._reclaim(db, time.time())
+
+    def _reclaim(self, db: sqlite3.Connection, now: float) -> int:
+        self._last_reclaim = now
+        dead = [
+            (seg, slot)
+            for seg, slot, owner, created in db.execute(
+                "SELECT seg, slot, owner, created FROM reservations WHERE owner != ?",
+                (self.owner,),
+            ).fetchall()
+            if _owner_is_dead(owner, created, now, self.reservation_lease_s)
+        ]
+        db.executemany("DELETE FROM reservations WHERE seg = ? AND slot = ?", dead)
+        self._free(db, dead, now)
+        return len(dead)
+
+    # ----------------------------------------------------------------- rebuild
+    def restore_segment(
+        self, seg: int, slot_stride: int, nslots: int, records: Sequence[tuple]
+    ) -> None:
+        """Add segment ``seg`` to an empty index with ``records`` published, given as (ns, key,
+        slot, length, crc, token) in LRU order (oldest first); every other slot is free. Used
+        by ``tool.rebuild_index`` while it holds the store exclusively."""
+        now = time.time()
+        with self._transaction() as db:
+            db.execute("INSERT INTO segments VALUES (?, ?, ?, ?)", (seg, slot_stride, nslots, nslots))
+            first = self._tick(db, len(records))
+            db.executemany(
+                "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(ns, key, seg, slot, length, crc, token, first + n)
+                 for n, (ns, key, slot, length, crc, token) in enumerate(records)],
+            )
+            used = {r[2] for r in records}
+            db.executemany(
+                "INSERT INTO free_slots VALUES (?, ?, ?, ?)",
+                [(seg, slot, slot_stride, now) for slot in range(nslots) if slot not in used],
+            )
+            self._count_pages(db, ((r[0], r[3]) for r in records), 1)
+
+    def close(self) -> None:
+        """Write buffered hits and close the connections."""
+        try:
+            self.flush_touches()
+        finally:
+            self._close_connections()

@@ -1,0 +1,166 @@
+"""The store directory on disk: its file names, their modes, and who may open them.
+
+Owns the layout of a store directory, the modes of everything the store creates in it, the
+checks made before any file in it is opened (no symbolic links, an owner that is the caller
+unless allowed otherwise), and the advisory lock that tells a running store from an index
+rebuild. It must never read or write records or the index's contents.
+
+Modes: files 0600 and directories 0700, or 0660 / 0770 with ``shared_group=True`` for a
+group of users sharing one store. Modes are set with ``fchmod`` after creation, so the umask
+can neither widen nor narrow them.
+
+Symbolic links: segment files are opened with ``O_NOFOLLOW`` relative to a descriptor of
+``segments/`` that was itself opened with ``O_NOFOLLOW``, so a planted link is refused, not
+followed. SQLite cannot be told not to follow links from Python, so ``index.sqlite3`` and its
+``-wal`` / ``-shm`` files are checked with ``lstat`` just before SQLite opens them; the window
+between the check and the open is left to the directory's own mode (0700 by default: only
+its owner can plant anything).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from dataclasses import dataclass
+
+from kvtier.tiers.remote.errors import StoreBusy, StoreUnsafe
+
+INDEX_FILENAME = "index.sqlite3"
+INDEX_SIDE_FILES = ("-wal", "-shm")
+SEGMENTS_DIRNAME = "segments"
+
+
+@dataclass(frozen=True)
+class Modes:
+    """Permission bits of what the store creates."""
+
+    file: int
+    directory: int
+
+    @classmethod
+    def for_store(cls, shared_group: bool) -> "Modes":
+        return cls(0o660, 0o770) if shared_group else cls(0o600, 0o700)
+
+
+def segment_name(seg: int) -> str:
+    return f"{seg:08d}.seg"
+
+
+def refuse_symlink(path: str) -> None:
+    """Raise StoreUnsafe if ``path`` exists as a symbolic link."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise StoreUnsafe(
+            f"{path} is a symbolic link (to {os.readlink(path)!r}); a kvtier store never "
+            "follows links inside its directory: remove the link"
+        )
+
+
+def _make_directory(path: str, mode: int) -> None:
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return
+    os.chmod(path, mode, follow_symlinks=False)
+
+
+def open_store_directory(path: str, modes: Modes, allow_foreign_owner: bool) -> int:
+    """Create the store directory if needed and return an ``O_DIRECTORY`` descriptor of it.
+
+    The directory itself may be reached through a link (that is the caller's choice of
+    path); its owner must be the caller unless ``allow_foreign_owner``."""
+    if not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        _make_directory(path, modes.directory)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid() and not allow_foreign_owner:
+            raise StoreUnsafe(
+                f"store directory {path} belongs to uid {owner}, not to this process (uid "
+                f"{os.geteuid()}); open it with allow_foreign_owner=True if that user is trusted"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_segments_directory(store_fd: int, path: str, modes: Modes) -> int:
+    """``segments/`` inside the store, created if needed; a link there is refused."""
+    try:
+        os.mkdir(SEGMENTS_DIRNAME, modes.directory, dir_fd=store_fd)
+        os.chmod(SEGMENTS_DIRNAME, modes.directory, dir_fd=store_fd, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    try:
+        return os.open(
+            SEGMENTS_DIRNAME,
+            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dir_fd=store_fd,
+        )
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            refuse_symlink(os.path.join(path, SEGMENTS_DIRNAME))
+        raise
+
+
+def open_no_follow(dir_fd: int, name: str, flags: int, path_for_errors: str, mode: int = 0o600) -> int:
+    """``os.open`` of ``name`` under ``dir_fd`` that refuses a symbolic link with StoreUnsafe."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreUnsafe(
+                f"{path_for_errors} is a symbolic link; a kvtier store never follows links "
+                "inside its directory: remove the link"
+            ) from exc
+        raise
+
+
+def create_file(dir_fd: int, name: str, path_for_errors: str, modes: Modes) -> int:
+    """Create ``name`` exclusively (never through a link) with the store's file mode."""
+    fd = open_no_follow(dir_fd, name, os.O_RDWR | os.O_CREAT | os.O_EXCL, path_for_errors, modes.file)
+    os.fchmod(fd, modes.file)
+    return fd
+
+
+def prepare_index_files(store_fd: int, directory: str, modes: Modes) -> str:
+    """Refuse links at the index's paths and create the index file with the store's mode, so
+    SQLite (which gives ``-wal`` and ``-shm`` the mode of the database file) inherits it."""
+    path = os.path.join(directory, INDEX_FILENAME)
+    for suffix in ("", *INDEX_SIDE_FILES):
+        refuse_symlink(path + suffix)
+    try:
+        os.close(create_file(store_fd, INDEX_FILENAME, path, modes))
+    except FileExistsError:
+        pass
+    return path
+
+
+def lock_shared(store_fd: int, directory: str) -> None:
+    """Held by every open store: a rebuild needs the directory to itself."""
+    try:
+        fcntl.flock(store_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StoreBusy(
+            f"store {directory} is being rebuilt (another process holds it exclusively); "
+            "open it again when `kvtier store rebuild` has finished"
+        ) from None
+
+
+def lock_exclusive(store_fd: int, directory: str) -> None:
+    """Taken by a rebuild; fails at once while any process has the store open."""
+    try:
+        fcntl.flock(store_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StoreBusy(
+            f"store {directory} is open in another process; close every process using it "
+            "before rebuilding its index"
+        ) from None

@@ -1,0 +1,421 @@
+"""Where records live: segment files of fixed slots (FILE medium) or one object per slot (OBJ).
+
+Owns the segment file layout, creating, opening, checking and syncing segment files, their
+NIXL file registrations, and the NIXL descriptors that pair caller pieces with a record's
+header and payload. It must never decide which slot a page goes to (the index does), never
+move page bytes other than through NIXL (``pwrite`` writes a segment's superblock only;
+``ftruncate``, ``fdatasync`` and ``sync_file_range`` only manage files), and never follow a
+symbolic link in the store.
+
+Segment file, format version 3::
+
+    [0, 4096)            superblock: "KVTS", version, segment id, slot stride, slot count, CRC32C
+    [4096, 4096 + H)     header table, 64 bytes per slot; H = slots * 64 rounded up to 4 KiB
+    4096 + H + i*stride  payload of slot i
+
+A segment holds ``nslots`` slots of one ``slot_stride`` (``page_bytes`` rounded up to 4 KiB,
+so payloads stay 4 KiB aligned for O_DIRECT and GDS). Segments are created sparse at their full
+size, opened once per process, kept open and registered with NIXL once: a batch costs no
+``open`` or registration, and slots are reused in place. (SGLang's NIXL backend keeps one file
+per key and opens and registers it per transfer.) Headers live in a table rather than next to
+each payload so a record costs 64 bytes, not a 4 KiB block, and payloads keep their alignment;
+a second descriptor for the header stream was measured and gave nothing (kernel readahead
+copes). The superblock lets ``tool.rebuild_index`` find every record without the index.
+
+A segment file that was deleted or truncated under a running store is found by one ``fstat``
+per segment per batch: the pages it lost (all of a deleted file, those past the end of a
+truncated one) fail to read and leave the index, the others are served, and the next write
+into it lays the file out at full size again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from kvtier.tiers.remote.buffers import PageBuffers
+from kvtier.tiers.remote.index import SlotRef
+from kvtier.tiers.remote.nixl import NixlEngine
+from kvtier.tiers.remote.paths import (
+    Modes,
+    SEGMENTS_DIRNAME,
+    create_file,
+    open_no_follow,
+    open_segments_directory,
+    segment_name,
+)
+from kvtier.tiers.remote.records import FORMAT_VERSION, HEADER_BYTES, SLOT_ALIGN, crc32c
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_MAGIC = b"KVTS"
+SUPERBLOCK_BYTES = SLOT_ALIGN
+_SUPERBLOCK = struct.Struct("<4sHHQQQ")
+_SUPERBLOCK_CRC = struct.Struct("<I")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def header_table_bytes(nslots: int) -> int:
+    return _round_up(nslots * HEADER_BYTES, SLOT_ALIGN)
+
+
+def segment_file_bytes(slot_stride: int, nslots: int) -> int:
+    return SUPERBLOCK_BYTES + header_table_bytes(nslots) + nslots * slot_stride
+
+
+def header_offset(slot: int) -> int:
+    return SUPERBLOCK_BYTES + slot * HEADER_BYTES
+
+
+def payload_offset(slot_stride: int, nslots: int, slot: int) -> int:
+    return SUPERBLOCK_BYTES + header_table_bytes(nslots) + slot * slot_stride
+
+
+def pack_superblock(seg: int, slot_stride: int, nslots: int) -> bytes:
+    body = _SUPERBLOCK.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, seg, slot_stride, nslots)
+    return body + _SUPERBLOCK_CRC.pack(crc32c.crc32c(body))
+
+
+@dataclass(frozen=True)
+class Superblock:
+    version: int
+    seg: int
+    slot_stride: int
+    nslots: int
+
+
+def parse_superblock(raw: bytes) -> Optional[Superblock]:
+    """The superblock at the start of ``raw``, or None if absent or damaged."""
+    size = _SUPERBLOCK.size
+    if len(raw) < size + 4 or raw[:4] != SEGMENT_MAGIC:
+        return None
+    (check,) = _SUPERBLOCK_CRC.unpack_from(raw, size)
+    if crc32c.crc32c(raw[:size]) != check:
+        return None
+    _, version, _, seg, stride, nslots = _SUPERBLOCK.unpack_from(raw)
+    return Superblock(version, seg, stride, nslots)
+
+
+@dataclass
+class Located:
+    """Where each page of a batch lives: descriptor device (fd or object id), header and
+    payload offsets; ``bad`` maps pages that cannot be moved to the reason."""
+
+    devs: np.ndarray
+    header_offs: np.ndarray
+    payload_offs: np.ndarray
+    bad: dict[int, str]
+
+
+def build_descriptors(
+    located: Located, pages: Sequence[int], buffers: PageBuffers, source_pages: Sequence[int],
+    headers: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Paired local/remote (addr, len, dev) descriptors: every payload piece, then every header.
+
+    ``pages`` index ``located``; ``source_pages`` index ``buffers``; header ``j`` is row ``j``
+    of ``headers``. Pieces of one page go to consecutive ranges of its record's payload."""
+    pages = np.asarray(pages, dtype=np.int64)
+    count = len(pages)
+    pieces = buffers.pieces_of(source_pages)
+    owner = (
+        pages if buffers.single
+        else np.repeat(pages, np.diff(buffers.first)[np.asarray(source_pages, dtype=np.int64)])
+    )
+    npieces = len(pieces)
+    local = np.empty((npieces + count, 3), dtype=np.uint64)
+    remote = np.empty((npieces + count, 3), dtype=np.uint64)
+    local[:npieces, 0] = buffers.ptrs[pieces]
+    local[:npieces, 1] = buffers.lens[pieces]
+    local[npieces:, 0] = headers.ctypes.data + np.arange(count, dtype=np.uint64) * HEADER_BYTES
+    local[npieces:, 1] = HEADER_BYTES
+    local[:, 2] = 0
+    remote[:npieces, 0] = located.payload_offs[owner] + buffers.offsets[pieces]
+    remote[:npieces, 1] = buffers.lens[pieces]
+    remote[:npieces, 2] = located.devs[owner]
+    remote[npieces:, 0] = located.header_offs[pages]
+    remote[npieces:, 1] = HEADER_BYTES
+    remote[npieces:, 2] = located.devs[pages]
+    return local, remote
+
+
+class SegmentFiles:
+    """FILE medium: segment files of fixed slots, opened and registered once per process."""
+
+    mem_type = "FILE"
+    whole_records = False
+
+    def __init__(
+        self,
+        engine: NixlEngine,
+        directory: str,
+        store_fd: int,
+        modes: Modes,
+        segment_shape: Callable[[int], tuple[int, int]],
+    ):
+        self._engine = engine
+        self._segment_shape = segment_shape
+        self._modes = modes
+        self.path = os.path.join(directory, SEGMENTS_DIRNAME)
+        self._dir_fd = open_segments_directory(store_fd, directory, modes)
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[int, int, int, object]] = {}
+
+    def _file(self, seg: int) -> str:
+        return os.path.join(self.path, segment_name(seg))
+
+    def create(self, seg: int, slot_stride: int, nslots: int) -> None:
+        """Create segment ``seg``'s file, sparse, at full size (called inside the index
+        transaction that allocates the segment, so it exists before anyone can use it)."""
+        try:
+            fd = create_file(self._dir_fd, segment_name(seg), self._file(seg), self._modes)
+        except FileExistsError:
+            # Left by a creation whose index transaction rolled back: no record in it is
+            # published, so it is laid out afresh.
+            fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg))
+        try:
+            self._lay_out(fd, seg, slot_stride, nslots)
+        finally:
+            os.close(fd)
+        os.fsync(self._dir_fd)  # the new name survives a power loss before any record does
+
+    @staticmethod
+    def _lay_out(fd: int, seg: int, slot_stride: int, nslots: int) -> None:
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, segment_file_bytes(slot_stride, nslots))
+        os.pwrite(fd, pack_superblock(seg, slot_stride, nslots), 0)
+        os.fsync(fd)
+
+    def _segment(self, seg: int) -> tuple[int, int, int]:
+        """(fd, slot_stride, nslots) of ``seg``, opening and registering it once."""
+        with self._lock:
+            found = self._open.get(seg)
+            if found is None:
+                slot_stride, nslots = self._segment_shape(seg)
+                fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg))
+                try:
+                    registration = self._engine.register(
+                        [(0, segment_file_bytes(slot_stride, nslots), fd, "")], "FILE"
+                    )
+                except Exception:
+                    os.close(fd)
+                    raise
+                found = self._open[seg] = (fd, slot_stride, nslots, registration)
+        return found[:3]
+
+    def _forget(self, seg: int) -> None:
+        with self._lock:
+            found = self._open.pop(seg, None)
+        if found is not None:
+            self._engine.deregister(found[3])
+            os.close(found[0])
+
+    def _state(self, seg: int) -> tuple[Optional[str], int]:
+        """(why ``seg``'s open file can hold none of its records, or None; its size)."""
+        fd, _, _ = self._segment(seg)
+        info = os.fstat(fd)
+        if info.st_nlink == 0:
+            return f"segment file {self._file(seg)} was deleted", 0
+        return None, info.st_size
+
+    def _repair(self, seg: int, reason: str) -> None:
+        """Give a deleted, missing or truncated segment its full layout again so writes can use
+        it; records that were lost with it fail to read (and leave the index)."""
+        logger.warning("%s; laying it out again for new records", reason)
+        self._forget(seg)
+        slot_stride, nslots = self._segment_shape(seg)
+        full = segment_file_bytes(slot_stride, nslots)
+        try:
+            fd = create_file(self._dir_fd, segment_name(seg), self._file(seg), self._modes)
+        except FileExistsError:
+            fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg))
+        try:
+            if os.fstat(fd).st_size < full:
+                os.ftruncate(fd, full)
+            os.pwrite(fd, pack_superblock(seg, slot_stride, nslots), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.fsync(self._dir_fd)
+
+    def _usable(self, seg: int, for_write: bool) -> tuple[Optional[str], int]:
+        """(None, file size) if ``seg`` can be used, else (why not, 0). For a write, a deleted,
+        missing or truncated file is laid out again first."""
+        for attempt in range(2):
+            try:
+                reason, size = self._state(seg)
+            except FileNotFoundError:
+                reason, size = f"segment file {self._file(seg)} is missing", 0
+            except KeyError as exc:
+                return str(exc), 0
+            except OSError as exc:
+                self._forget(seg)
+                return f"segment file {self._file(seg)}: {exc}", 0
+            if reason is None and for_write:
+                slot_stride, nslots = self._segment_shape(seg)
+                if size < segment_file_bytes(slot_stride, nslots):
+                    reason = f"segment file {self._file(seg)} is {size} bytes, short of its layout"
+            if reason is None:
+                return None, size
+            self._forget(seg)
+            if not for_write or attempt:
+                return reason, 0
+            try:
+                self._repair(seg, reason)
+            except OSError as exc:
+                return f"{reason}; laying it out again failed: {exc}", 0
+        return reason, 0
+
+    def locate(self, slots: Sequence[SlotRef], length: int, for_write: bool) -> Located:
+        """Descriptor devices and offsets of ``slots``; pages that cannot be moved are in
+        ``bad``: a deleted or missing segment file, or (reads) a record past the end of a
+        truncated one."""
+        count = len(slots)
+        segs = np.fromiter((s.seg for s in slots), dtype=np.int64, count=count)
+        slot_ids = np.fromiter((s.slot for s in slots), dtype=np.uint64, count=count)
+        devs = np.zeros(count, dtype=np.uint64)
+        payload_offs = np.zeros(count, dtype=np.uint64)
+        bad: dict[int, str] = {}
+        for seg in np.unique(segs).tolist():
+            mask = segs == seg
+            reason, size = self._usable(seg, for_write)
+            if reason is not None:
+                bad.update((int(i), reason) for i in np.flatnonzero(mask))
+                continue
+            fd, slot_stride, nslots = self._segment(seg)
+            devs[mask] = fd
+            payload_offs[mask] = (
+                SUPERBLOCK_BYTES + header_table_bytes(nslots) + slot_ids[mask] * slot_stride
+            )
+            short = np.flatnonzero(mask & (payload_offs + length > size))
+            bad.update(
+                (int(i), f"segment file {self._file(seg)} is {size} bytes; the record of slot "
+                         f"{int(slot_ids[i])} ends at {int(payload_offs[i]) + length}")
+                for i in short
+            )
+        header_offs = SUPERBLOCK_BYTES + slot_ids * HEADER_BYTES
+        return Located(devs, header_offs.astype(np.uint64), payload_offs, bad)
+
+    def start_writeback(self, remote: np.ndarray) -> None:
+        """Ask the kernel to start writing the byte range a request just dirtied, per file, so
+        the device works while the next request is checksummed and copied (RocksDB's
+        ``bytes_per_sync``); ``make_durable`` then mostly waits. Advisory: errors are ignored."""
+        if _sync_file_range is None:
+            return
+        for fd in np.unique(remote[:, 2]).tolist():
+            rows = remote[remote[:, 2] == fd]
+            start = int(rows[:, 0].min())
+            end = int((rows[:, 0] + rows[:, 1]).max())
+            _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+
+    def make_durable(self, segs: set[int]) -> None:
+        for seg in sorted(segs):
+            os.fdatasync(self._segment(seg)[0])
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _, _, registration in self._open.values():
+                self._engine.deregister(registration)
+                os.close(fd)
+            self._open.clear()
+        os.close(self._dir_fd)
+
+
+class SlotObjects:
+    """OBJ medium: one object per slot (header then payload), keys ``<prefix><seg>/<slot>``.
+
+    NIXL's OBJ backend writes whole objects only, so a record is staged contiguously before
+    upload (``whole_records``); reads take the header and the payload (at offset 64) in place.
+    Untested: the nixl-cu13 1.5.1 wheel's OBJ plugin needs ``libcuobjclient.so.1`` (CUDA)."""
+
+    mem_type = "OBJ"
+    whole_records = True
+
+    def __init__(self, engine: NixlEngine, prefix: str):
+        self._engine = engine
+        self._prefix = prefix
+        self._lock = threading.Lock()
+        self._registered: dict[int, object] = {}
+
+    def create(self, seg: int, slot_stride: int, nslots: int) -> None:
+        """Objects come into being when written; nothing to create."""
+
+    def _device(self, slot: SlotRef, length: int) -> int:
+        dev = (slot.seg << 32) | slot.slot
+        with self._lock:
+            if dev not in self._registered:
+                self._registered[dev] = self._engine.register(
+                    [(0, HEADER_BYTES + length, dev, f"{self._prefix}{slot.seg}/{slot.slot}")],
+                    "OBJ",
+                )
+        return dev
+
+    def locate(self, slots: Sequence[SlotRef], length: int, for_write: bool) -> Located:
+        devs = np.array([self._device(s, length) for s in slots], dtype=np.uint64)
+        return Located(
+            devs,
+            np.zeros(len(slots), dtype=np.uint64),
+            np.full(len(slots), HEADER_BYTES, dtype=np.uint64),
+            {},
+        )
+
+    @staticmethod
+    def stage(
+        located: Located, pages: Sequence[int], buffers: PageBuffers, source_pages: Sequence[int],
+        headers: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One contiguous record per page (header, then the pieces in order) and its
+        descriptors; the staging array must outlive the request."""
+        record = HEADER_BYTES + buffers.page_bytes
+        staging = np.empty((len(pages), record), dtype=np.uint8)
+        staging[:, :HEADER_BYTES] = headers
+        for row, page in enumerate(source_pages):
+            lo, hi = int(buffers.first[page]), int(buffers.first[page + 1])
+            for k in range(lo, hi):
+                start = HEADER_BYTES + int(buffers.offsets[k])
+                ctypes.memmove(
+                    staging[row, start:].ctypes.data, int(buffers.ptrs[k]), int(buffers.lens[k])
+                )
+        local = np.empty((len(pages), 3), dtype=np.uint64)
+        remote = np.empty((len(pages), 3), dtype=np.uint64)
+        local[:, 0] = staging.ctypes.data + np.arange(len(pages), dtype=np.uint64) * record
+        local[:, 1] = record
+        local[:, 2] = 0
+        remote[:, 0] = 0
+        remote[:, 1] = record
+        remote[:, 2] = located.devs[np.asarray(pages, dtype=np.int64)]
+        return local, remote, staging
+
+    def start_writeback(self, remote: np.ndarray) -> None:
+        """Objects are written when the request completes."""
+
+    def make_durable(self, segs: set[int]) -> None:
+        """A completed PUT is durable."""
+
+    def close(self) -> None:
+        with self._lock:
+            for registration in self._registered.values():
+                self._engine.deregister(registration)
+            self._registered.clear()
+
+
+def _libc_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    function = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
