@@ -65,8 +65,7 @@ class Counters:
         self.evictions = defaultdict(int)  # tier -> pages evicted
         self.dropped = defaultdict(int)  # reason -> dirty pages let go before they were durable
         self.duplicate_commits = 0
-        self.remote_failures = defaultdict(int)  # "read" / "write" -> pages a failed remote job carried
-        self.remote_misses = 0  # pages the remote index promised but could not serve
+        self.remote_failures = defaultdict(int)  # "read" / "write" -> pages a remote job could not move
         self.latency = {name: Histogram() for name in CALLS + REMOTE_OPS}
 
     def moved(self, direction: str, pages: int, nbytes: int) -> None:
@@ -147,7 +146,7 @@ def _families(snapshots):
     pages = counter("kvtier_pages_moved", "Pages copied between tiers", ["direction"])
     nbytes = counter("kvtier_bytes_moved", "Bytes copied between tiers", ["direction"])
     dropped = counter("kvtier_dropped_pages", "Dirty pages let go before they were durable, by reason", ["reason"])
-    failures = counter("kvtier_remote_failures", "Remote tier pages carried by failed remote jobs", ["op"])
+    failures = counter("kvtier_remote_failures", "Remote tier pages a remote job could not move", ["op"])
     states = gauge("kvtier_pages", "Slots per tier and page state", ["tier", "state"])
     held = gauge("kvtier_held_pages", "Device slots the engine holds")
     inflight = gauge("kvtier_inflight_copies", "Copies and remote jobs in flight")

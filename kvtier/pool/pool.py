@@ -989,10 +989,9 @@ class TieredPool:
                     host.table.unbind(s)
             c = self.counters
             c.moved("remote_to_host", len(good), len(good) * self.fmt.page_bytes)
-            if error is not None:
-                c.remote_failures["read"] += len(bad)
-            else:
-                c.remote_misses += len(bad)
+            # The remote index promised these pages (or they were asked for by key): a page it
+            # could not serve, whatever the reason, is a failed read; the store unpublished it.
+            c.remote_failures["read"] += len(bad)
             c.latency["remote_get"].observe(seconds)
 
         submit = self._link.read if for_load else self._link.try_read
