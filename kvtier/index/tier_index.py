@@ -199,5 +199,32 @@ class TierIndex:
         """Every DIRTY slot, oldest first: O(dirty slots)."""
         return list(self.dirty)
 
+    def check(self) -> None:
+        """Raise AssertionError naming the first slot whose facts disagree (tests call this after
+        stress; it is O(capacity), never called by the pool)."""
+        counts = [0] * len(PageState)
+        free = set(self.free)
+        assert len(free) == len(self.free), f"{self.name}: a slot is twice in the free list"
+        for slot in range(self.capacity):
+            st = self.state[slot]
+            counts[st] += 1
+            listed = _EVICTABLE[st] and not self.pins[slot] and not self.busy[slot]
+            assert (slot in self.policy) == listed, (
+                f"{self.name} slot {slot}: {PageState(st).name} pins {self.pins[slot]} busy {self.busy[slot]} "
+                f"{'is' if slot in self.policy else 'is not'} in the eviction order"
+            )
+            assert (slot in self.dirty) == (st == _DIRTY), f"{self.name} slot {slot}: dirty list disagrees with {PageState(st).name}"
+            assert (slot in free) == (st == _FREE), f"{self.name} slot {slot}: free list disagrees with {PageState(st).name}"
+            keyed = self.table.holds_key(slot)
+            if st in (S.RESIDENT, S.DIRTY, S.OFFLOADING):
+                assert keyed, f"{self.name} slot {slot}: {PageState(st).name} without a key"
+            if st in (S.FREE, S.FILLING):
+                assert not keyed, f"{self.name} slot {slot}: {PageState(st).name} with a key"
+            if keyed:
+                assert self.table.get(self.table.id_of(slot)) == slot, f"{self.name} slot {slot}: key table disagrees"
+        assert counts == self.counts, f"{self.name}: counts {self.counts}, slots say {counts}"
+        assert self.held == sum(1 for p in self.pins if p), f"{self.name}: held count"
+        assert self.busy_slots == sum(1 for b in self.busy if b), f"{self.name}: busy count"
+
     def state_counts(self) -> dict[str, int]:
         return {s.name.lower(): self.counts[s] for s in PageState}

@@ -885,11 +885,14 @@ class TieredPool:
                     "they are counted in kvtier_dropped_pages{reason=\"remote_unavailable\"}",
                     self._breaker.last_error,
                 )
+        durable_below = self._link is not None
         for slot in free:
-            # The device copy, if any, is now the only one: it becomes dirty.
-            dslot = dev.lookup(host.id_of(slot))
-            if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
-                dev.set_state(dslot, S.DIRTY)
+            # A page the host tier lets go that no tier below holds (no remote tier, or not
+            # durable there yet): its device copy, if any, is now the only one and becomes dirty.
+            if not durable_below or host.state[slot] == S.DIRTY:
+                dslot = dev.lookup(host.id_of(slot))
+                if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
+                    dev.set_state(dslot, S.DIRTY)
             self._backup_queue.discard(slot)
         host.set_states(free, S.FREE)
         if queued:
