@@ -457,7 +457,14 @@ class CudaEngine(TransferEngine):
         return tensor, self._alias(tensor)
 
     def _alias(self, tensor: torch.Tensor) -> int:
-        return self.driver.host_device_pointer(tensor.data_ptr())
+        """Device address of a tensor from torch's pinned allocator (cudaHostAlloc)."""
+        try:
+            return self.driver.host_device_pointer(tensor.data_ptr())
+        except RuntimeError:
+            # Allocations of cudaHostAlloc are reachable from the device at their host
+            # address wherever addressing is unified (every 64-bit platform CUDA 13 runs on),
+            # even when the driver declines to name a separate alias.
+            return tensor.data_ptr()
 
     def _host_pointer(self) -> int:
         """The device-side address of the host buffer: its alias in the GPU's address space.
