@@ -10,6 +10,9 @@ Formats: 32 layers x 8 kv heads x 128 dims x 16 tokens fp8_e4m3 per_page_head (1
 the same at 92 layers x 64 tokens (11.5 MiB), and 92 layers fp8 stored / bf16 on the device
 (upcast on reload, quantize on offload). Without CUDA it times the torch twin (TorchEngine,
 at most 16 pages) and says so: those are not GPU numbers.
+It also times, anywhere, the kernel path's own Python per transfer (slot checks, slot
+buffer, argument record, ticket) with the one driver call left out, so the GPU run's
+submit column can be split into Python and driver.
 Run: PYTHONPATH=. python benchmarks/engine_host_cost.py [--json out.json] [--quick]
 """
 
@@ -83,6 +86,46 @@ def paths_for(fmt: PageFormat, op: str) -> list[str]:
     return paths + ["torch"]
 
 
+def python_share(repeats: int = 2000) -> list[dict]:
+    """Median us of the kernel path's Python per reload (the launch itself a no-op), per format and size."""
+    from kvtier.transfer.cuda import plans
+    from kvtier.transfer.cuda.engine import CudaEngine
+    from kvtier.transfer.cuda.kernel_path import KernelPath
+    from kvtier.transfer.cuda.tickets import FlagTicket, StreamLane
+
+    rows = []
+    for label, fmt in FORMATS.items():
+        dev, host = DeviceTier(fmt, 16, "cpu"), HostTier(fmt, 16, pin=False)
+        path = KernelPath(fmt, plans.device_table(dev), 0, host.buffer.data_ptr(), lambda *launch: None, 132, 132)
+        flags = torch.zeros(fmt.num_layers + 1, dtype=torch.int32)
+        counters = torch.zeros(fmt.num_layers + 1, dtype=torch.int32)
+
+        def pinned(capacity):
+            tensor = torch.zeros((3, capacity), dtype=torch.int32)
+            return tensor, tensor.data_ptr()
+
+        lane = StreamLane(None, fmt.num_layers, flags, flags.data_ptr(), counters, pinned, None)
+        for count in (1, 16):
+            slots, times = list(range(count)), []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                host_slots = CudaEngine._slots("host", slots, 16, unique=False)
+                dev_slots = CudaEngine._slots("device", slots, 16, unique=True)
+                with lane.lock:
+                    buffer = lane.buffer(count)
+                    buffer.src[:count] = host_slots
+                    buffer.dst[:count] = dev_slots
+                    seq = lane.next_seq()
+                    path.submit("reload", lane, buffer, count, seq)
+                ticket = FlagTicket(lane, seq, buffer, count, False, None)
+                times.append(time.perf_counter() - began)
+                lane.flags[fmt.num_layers] = seq  # what the kernel's last block stores
+                ticket.done()
+            rows.append({"format": label, "pages": count, "python_us": statistics.median(times) * 1e6})
+        host.close()
+    return rows
+
+
 def run(args) -> list[dict]:
     cuda = torch.cuda.is_available()
     rows = []
@@ -138,11 +181,15 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if not cuda:
         print("no CUDA: timing the torch twin (TorchEngine) on the CPU; these are not GPU numbers")
+    share = python_share()
     rows = run(args)
     if args.json:
         env = {"torch": torch.__version__, "cuda": torch.version.cuda,
                "gpu": torch.cuda.get_device_name() if cuda else "none (CPU twin)"}
-        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"env": env, "python_share": share, "rows": rows}, indent=1))
+    print("kernel path's Python per reload, the launch left out (us):")
+    for r in share:
+        print(f"  {r['format']:16} {r['pages']:3d} pages {r['python_us']:6.1f}")
     print(f"{'format':16} {'op':8} {'path':12} {'taken':12} {'pages':>5} {'submit us':>10} {'done us':>10} {'pcie us':>9}")
     for r in rows:
         print(f"{r['format']:16} {r['op']:8} {r['path']:12} {r['taken']:12} {r['pages']:5d} "
