@@ -59,7 +59,7 @@ class DeferredEngine(TorchEngine):
 
         def run(ticket):
             done = TorchEngine.offload(self, device_slots, host_slots)
-            ticket.failed = done.failed_positions() if hasattr(done, "failed_positions") else []
+            ticket.failed = done.failed_positions()
 
         return self._defer(run)
 

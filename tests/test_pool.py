@@ -386,6 +386,8 @@ def run_stress(pool, threads=4, iterations=60, lossless=False):
     for t in workers:
         t.join()
     assert not errors, errors[:5]
+    pool._dev.check()
+    pool._host.check()
     s = pool.stats()
     assert s["held"]["device"] == 0
     assert s["states"]["device"]["filling"] == 0

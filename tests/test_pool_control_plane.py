@@ -358,3 +358,5 @@ def test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages(registry):
     stop.set()
     landing.join(LIVENESS_S)
     assert not errors, errors[:5]
+    pool._dev.check()
+    pool._host.check()

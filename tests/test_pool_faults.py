@@ -207,3 +207,57 @@ def test_a_load_the_host_tier_cannot_hold_still_raises_pool_exhausted(tmp_path, 
     with pytest.raises(PoolExhausted, match="host tier: need 8 slots"):
         pool.load(keys)
     pool.close()
+
+
+def _poison_page(pool, slot, value=float("nan")) -> None:
+    k, _ = pool.device_kv(1)
+    k[slot, 0, 0, 0] = value
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_page_that_cannot_be_encoded_is_refused_alone(tmp_path, gen, caplog, policy, value):
+    """bf16 on the device over fp8 storage: a page holding NaN or Inf cannot be encoded. It is
+    refused (counted, logged once), every other page of its batch goes down and survives a
+    reopen, no slot leaks, and no later, unrelated call raises because of it."""
+    fmt = small_format(device_dtype="bf16")
+    pool = TieredPool(fmt, device_pages=8, host_pages=16, write_policy=policy, model="m",
+                      registry=CollectorRegistry(), remote=str(tmp_path))
+    caplog.set_level(logging.WARNING, logger="kvtier.pool.pool")
+    keys = prefix_keys(np.arange(8 * 6), 8, pool.namespace)
+    slots = pool.allocate(6)
+    fill_random(pool, slots, gen)
+    _poison_page(pool, slots[2], value)
+    pool.commit(keys, slots)
+    pool.release(slots)
+    more = pool.allocate(8)  # evicts all six: the bad one cannot go down, nothing raises
+    pool.release(more)
+    assert pool.flush() == 0
+    s = pool.stats()
+    assert s["dropped"] == {"not_encodable": 1}
+    assert s["states"]["device"]["filling"] == 0 and s["states"]["host"]["loading"] == 0
+    assert sum("could not be encoded" in r.getMessage() for r in caplog.records) == 1
+    m = pool.match(keys)
+    assert m.total == 2  # keys[2] is a miss, so the prefix stops there
+    pool.close()
+    again = TieredPool(fmt, device_pages=8, host_pages=16, model="m", registry=CollectorRegistry(),
+                       remote=str(tmp_path))
+    assert again.match(keys[:2]).total == 2 and again.match(keys[3:]).total == 3
+    assert again.match(keys[2:3]).total == 0
+    again.close()
+
+
+def test_flush_counts_a_refused_page_as_not_durable(tmp_path, gen):
+    fmt = small_format(device_dtype="bf16")
+    pool = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_back", registry=CollectorRegistry())
+    keys = prefix_keys(np.arange(8 * 4), 8, pool.namespace)
+    slots = pool.allocate(4)
+    fill_random(pool, slots, gen)
+    _poison_page(pool, slots[1])
+    pool.commit(keys, slots)
+    assert pool.flush() == 1  # the engine still holds the slots: the page stays the engine's
+    s = pool.stats()
+    assert s["dropped"] == {"not_encodable": 1} and s["states"]["device"]["filling"] == 1
+    pool.release(slots)
+    assert pool.stats()["states"]["device"]["filling"] == 0
+    pool.close()

@@ -1054,7 +1054,7 @@ class TieredPool:
         ticket = self.engine.offload(moving, host_slots, ready=self._ready)
 
         def finish() -> None:
-            failed = set(ticket.failed_positions()) if hasattr(ticket, "failed_positions") else set()
+            failed = set(ticket.failed_positions())
             good = [i for i in range(len(moving)) if i not in failed]
             bad = sorted(failed)
             dev_good, host_good = [moving[i] for i in good], [host_slots[i] for i in good]
