@@ -47,10 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a JSON, TOML or YAML config (or KVTIER_CONFIG), apply the KVTIER_* environment, check "
         "every key, and print the TieredPool keyword arguments it makes as JSON.",
     )
-    config.add_argument("file", nargs="?", default=None, help="the config file (default: $KVTIER_CONFIG, else the environment alone)")
+    config.add_argument(
+        "file", nargs="?", default=None, help="the config file (default: $KVTIER_CONFIG, else the environment alone)"
+    )
     config.set_defaults(run=_config)
 
-    store = commands.add_parser("store", help="check or rebuild a remote page store", description="Tools for a remote page store.")
+    store = commands.add_parser(
+        "store", help="check or rebuild a remote page store", description="Tools for a remote page store."
+    )
     actions = store.add_subparsers(dest="action", metavar="action", required=True)
     for action, text in (
         ("check", "check a store's index against its segment files and report what is wrong"),

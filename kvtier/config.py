@@ -44,12 +44,15 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.format import PageFormat
 from kvtier.format.page_format import canonical_dtype
+
+if TYPE_CHECKING:
+    from kvtier.pool import TieredPool
 
 ENV_PREFIX = "KVTIER_"
 ENV_FORMAT_PREFIX = "KVTIER_FORMAT_"
@@ -443,7 +446,7 @@ def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **o
     return kwargs
 
 
-def pool_from_config(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any):
+def pool_from_config(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TieredPool:
     """A TieredPool from a configuration (see pool_kwargs), with keyword overrides on top."""
     from kvtier.pool import TieredPool
 

@@ -123,7 +123,8 @@ def test_config_prints_what_a_file_makes_or_names_the_bad_key(tmp_path, capsys, 
     for var in [v for v in os.environ if v.startswith("KVTIER_")]:
         monkeypatch.delenv(var)
     good = tmp_path / "kv.toml"
-    good.write_text('host_bytes = "1MiB"\n[format]\nnum_layers = 2\nnum_kv_heads = 2\nhead_dim = 16\npage_size = 4\ndtype = "bfloat16"\n')
+    good.write_text('host_bytes = "1MiB"\n[format]\nnum_layers = 2\nnum_kv_heads = 2\nhead_dim = 16\npage_size = 4\n'
+                    'dtype = "bfloat16"\n')
     assert main(["config", str(good)]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["host_bytes"] == 2**20 and shown["format"]["dtype"] == "bf16"

@@ -59,7 +59,9 @@ def clean_environment(monkeypatch):
 
 
 def write_files(tmp_path):
-    as_json = dict(device="cpu", device_pages=8, host_bytes=24 * PAGE_BYTES, write_policy="write_back", model="llama", rank=3, format=FORMAT)
+    as_json = dict(
+        device="cpu", device_pages=8, host_bytes=24 * PAGE_BYTES, write_policy="write_back", model="llama", rank=3, format=FORMAT
+    )
     (tmp_path / "kv.json").write_text(json.dumps(as_json))
     (tmp_path / "kv.toml").write_text(TOML)
     (tmp_path / "kv.yaml").write_text(YAML)

@@ -72,8 +72,11 @@ def test_error_bars_span_the_slowest_and_fastest_repeat():
     for section in ("offload", "reload", "offload+quantize"):
         for page in (4096, 65536, 1 << 20):
             runs = sorted(rng.uniform(5, 50, size=4).round(3).tolist())
-            rows.append({"section": section, "path": "kernel", "page_bytes": page, "gbps": float(np.median(runs)), "runs_gbps": runs})
-    report = {"meta": {"mode": "gpu", "gpu": "test"}, "limits": {"d2h_gbps": 55.0, "h2d_gbps": 54.0, "both_gbps": 100.0}, "rows": rows}
+            rows.append(
+                {"section": section, "path": "kernel", "page_bytes": page, "gbps": float(np.median(runs)), "runs_gbps": runs}
+            )
+    limits = {"d2h_gbps": 55.0, "h2d_gbps": 54.0, "both_gbps": 100.0}
+    report = {"meta": {"mode": "gpu", "gpu": "test"}, "limits": limits, "rows": rows}
     fig = plots.offload_figure(report)
     for ax, section in zip(fig.axes, ("offload", "reload", "offload+reload at once", "offload+quantize")):
         mine = [r for r in rows if r["section"] == section]

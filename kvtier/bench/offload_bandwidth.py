@@ -31,8 +31,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ def page_format(page_kib: int, layers: int = 1, converting: bool = False) -> Pag
     return PageFormat(layers, HEADS, HEAD_DIM, tokens)
 
 
-def progress(total: int, enabled: bool):
+def progress(total: int, enabled: bool) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:
@@ -67,7 +68,7 @@ def progress(total: int, enabled: bool):
 
 
 class Results:
-    def __init__(self, bar) -> None:
+    def __init__(self, bar: Any) -> None:
         self.rows: list[dict] = []
         self.bar = bar
 
@@ -105,7 +106,7 @@ class Timing(NamedTuple):
 SLEEP_CYCLES = 20_000_000
 
 
-def time_cuda(run, repeats: int, warmup: int) -> Timing:
+def time_cuda(run: Callable[[], list], repeats: int, warmup: int) -> Timing:
     """Median device time of `run` (which queues work and returns what the current stream
     must wait on), with the host's queueing kept off the clock, and median queueing time.
 
@@ -132,7 +133,7 @@ def time_cuda(run, repeats: int, warmup: int) -> Timing:
     return Timing(statistics.median(device), statistics.median(submit), tuple(device))
 
 
-def time_wall_runs(run, repeats: int, warmup: int) -> tuple[float, ...]:
+def time_wall_runs(run: Callable[[], object], repeats: int, warmup: int) -> tuple[float, ...]:
     for _ in range(warmup):
         run()
     samples = []
@@ -143,14 +144,14 @@ def time_wall_runs(run, repeats: int, warmup: int) -> tuple[float, ...]:
     return tuple(samples)
 
 
-def time_wall(run, repeats: int, warmup: int) -> float:
+def time_wall(run: Callable[[], object], repeats: int, warmup: int) -> float:
     return statistics.median(time_wall_runs(run, repeats, warmup))
 
 
 class StreamDone:
     """A stream's queued work as something with wait(), like a ticket."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: torch.cuda.Stream) -> None:
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
@@ -242,7 +243,9 @@ def fill_random(dev: DeviceTier, host: HostTier) -> None:
                 host.scale_view(layer, plane).fill_(0.0625)
 
 
-def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str], args, blocks: int | None) -> None:
+def gpu_page_size(
+    results: Results, page_kib: int, pages: int, paths: list[str], args: argparse.Namespace, blocks: int | None
+) -> None:
     from kvtier.transfer.cuda_engine import CudaEngine
 
     rng = np.random.default_rng(page_kib)
@@ -275,10 +278,10 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
                 # Keyed by the bf16 page size, like the pass-through rows; the fp8 record is about half.
                 page = device_bytes // pages
                 fp8 = f"fp8 record {fmt.page_bytes / 1024:.1f} KiB"
-                results.add("offload+quantize", path, page, pages, offload_s, device_bytes, f"bf16 bytes read; {fp8}; {offload_note}",
-                            offload.device_runs)
-                results.add("reload+upcast", path, page, pages, reload_s, device_bytes, f"bf16 bytes delivered; {fp8}; {reload_note}",
-                            reload.device_runs)
+                results.add("offload+quantize", path, page, pages, offload_s, device_bytes,
+                            f"bf16 bytes read; {fp8}; {offload_note}", offload.device_runs)
+                results.add("reload+upcast", path, page, pages, reload_s, device_bytes,
+                            f"bf16 bytes delivered; {fp8}; {reload_note}", reload.device_runs)
             else:
                 results.add("offload", path, fmt.page_bytes, pages, offload_s, wire_bytes, offload_note, offload.device_runs)
                 results.add("reload", path, fmt.page_bytes, pages, reload_s, wire_bytes, reload_note, reload.device_runs)
@@ -291,8 +294,8 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
                     2,
                 )
                 results.add(
-                    "offload+reload at once", path, fmt.page_bytes, pages, both.device_s, 2 * wire_bytes, _launch_note(engine, both),
-                    both.device_runs,
+                    "offload+reload at once", path, fmt.page_bytes, pages, both.device_s, 2 * wire_bytes,
+                    _launch_note(engine, both), both.device_runs,
                 )
             engine.close()
         if not converting:
@@ -377,7 +380,7 @@ def gpu_decode_loop(results: Results, layers: int, pages: int, repeats: int, pat
     return out
 
 
-def run_gpu(args) -> dict:
+def run_gpu(args: argparse.Namespace) -> dict:
     meta = gpu_meta()
     paths = args.paths or gpu_paths()
     budget = int(args.max_gib * GIB)
@@ -399,7 +402,7 @@ def run_gpu(args) -> dict:
 
 
 # --- CPU twin -------------------------------------------------------------------------------------
-def run_cpu(args) -> dict:
+def run_cpu(args: argparse.Namespace) -> dict:
     meta = {
         "mode": "cpu twin (no CUDA): TorchEngine between CPU tensors; not PCIe numbers",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -493,13 +496,16 @@ def _kib_list(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, shared by `kvtier bench` and `python benchmarks/offload_bandwidth.py`."""
     parser.add_argument("--quick", action="store_true",
-                        help="small sweep: 5 repeats, 0.25 GiB per transfer, a short decode loop (what scripts/gpu_check.sh runs)")
+                        help="small sweep: 5 repeats, 0.25 GiB per transfer, a short decode loop "
+                             "(what scripts/gpu_check.sh runs)")
     parser.add_argument("--pages", type=int, default=None, metavar="N",
                         help="pages per transfer (default: as many as --max-gib allows, 64 to 4096; CPU twin 16 to 512)")
     parser.add_argument("--sizes", type=_kib_list, default=None, metavar="KIB,...",
-                        help="page sizes in KiB, comma separated multiples of 4 (default: 4,16,64,256,1024,4096; CPU twin 4,16,64,256)")
+                        help="page sizes in KiB, comma separated multiples of 4 "
+                             "(default: 4,16,64,256,1024,4096; CPU twin 4,16,64,256)")
     parser.add_argument("--paths", type=str, default=None, metavar="PATH,...",
-                        help="copy paths to measure, comma separated: kernel, copy_engine, staged, torch (default: every one available)")
+                        help="copy paths to measure, comma separated: kernel, copy_engine, staged, torch "
+                             "(default: every one available)")
     parser.add_argument("--blocks", type=int, default=None, metavar="N",
                         help="most blocks one kernel launch may take (default: one per SM)")
     parser.add_argument("--max-gib", type=float, default=None, metavar="GIB",

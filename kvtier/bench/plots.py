@@ -10,7 +10,13 @@ only when a figure is drawn: a missing matplotlib raises PlotUnavailable, never 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Fixed colours so that a path looks the same in every panel and in every report.
 PATH_COLOURS = {
@@ -46,7 +52,7 @@ class PlotUnavailable(RuntimeError):
     """A figure cannot be drawn or written here: matplotlib is missing or the target is unusable."""
 
 
-def pyplot():
+def pyplot() -> ModuleType:
     """matplotlib.pyplot on the Agg backend, or PlotUnavailable saying how to install it."""
     try:
         import matplotlib
@@ -79,8 +85,9 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def path_colours(paths) -> dict[str, str]:
+def path_colours(paths: Iterable[str]) -> dict[str, str]:
     """Colour of each path: the fixed ones first, in PATH_COLOURS order, then any other."""
+    paths = set(paths)
     spare = iter(SPARE_COLOURS)
     known = [p for p in PATH_COLOURS if p in paths]
     return {p: PATH_COLOURS.get(p) or next(spare, "black") for p in known + sorted(set(paths) - set(known))}
@@ -114,7 +121,7 @@ def _legend_panel(ax, handles, labels, notes: list[str]) -> None:
     ax.text(0.0, 0.0, "\n".join(notes), transform=ax.transAxes, fontsize=7.5, va="bottom", wrap=True)
 
 
-def offload_figure(report: dict):
+def offload_figure(report: dict) -> Figure:
     """Bandwidth per copy path and page size: pass-through panels on top, converting below."""
     plt = pyplot()
     rows = report["rows"]
@@ -178,9 +185,10 @@ def _limit_lines(section: str, converting: bool, limits: dict) -> list[tuple[flo
         return [] if converting else [(limits["memcpy_gbps"], "CPU memcpy, one contiguous copy", CONTIGUOUS)]
     d2h, h2d, both = limits.get("d2h_gbps"), limits.get("h2d_gbps"), limits.get("both_gbps")
     half = both / 2 if both else None
+    contiguous, half_of_both = "PCIe limit: contiguous pinned copy", "half of both directions at once"
     lines = {
-        "offload": [(d2h, "PCIe limit: contiguous pinned copy", CONTIGUOUS), (half, "half of both directions at once", HALF_OF_BOTH)],
-        "reload": [(h2d, "PCIe limit: contiguous pinned copy", CONTIGUOUS), (half, "half of both directions at once", HALF_OF_BOTH)],
+        "offload": [(d2h, contiguous, CONTIGUOUS), (half, half_of_both, HALF_OF_BOTH)],
+        "reload": [(h2d, contiguous, CONTIGUOUS), (half, half_of_both, HALF_OF_BOTH)],
         "offload+reload at once": [(both, "PCIe limit: both directions at once", BOTH)],
         "offload+quantize": [(d2h and 2 * d2h, "2 × PCIe limit of the direction (bf16 bytes)", DOUBLE)],
         "reload+upcast": [(h2d and 2 * h2d, "2 × PCIe limit of the direction (bf16 bytes)", DOUBLE)],
@@ -196,7 +204,7 @@ def _repeats_note(repeats: set[int]) -> str:
     return f"Points: median of {span} repeats; error bars: slowest to fastest repeat."
 
 
-def remote_figure(report: dict):
+def remote_figure(report: dict) -> Figure:
     """Remote tier bandwidth per page size: raw NIXL transfers against the store, per direction."""
     plt = pyplot()
     results = sorted(report["results"], key=lambda r: r["page_bytes"])
@@ -224,7 +232,8 @@ def remote_figure(report: dict):
     notes = [
         "Blue figures at the foot of each panel: store / raw (medians).",
         f"{args.get('total_mib', '?')} MiB per pass in batches of {args.get('batch_mib', '?')} MiB,",
-        f"{report.get('cpus', '?')} CPUs, {report.get('nixl', 'nixl ?')}, checksum threads {args.get('checksum_threads') or 'default'}.",
+        f"{report.get('cpus', '?')} CPUs, {report.get('nixl', 'nixl ?')}, "
+        f"checksum threads {args.get('checksum_threads') or 'default'}.",
         _repeats_note(repeats),
     ]
     _legend_panel(axes[3], list(handles.values()), list(handles), notes)
@@ -234,7 +243,7 @@ def remote_figure(report: dict):
     return fig
 
 
-def save(fig, target: str | os.PathLike) -> Path:
+def save(fig: Figure, target: str | os.PathLike) -> Path:
     target = Path(target)
     fig.savefig(target, dpi=120)
     pyplot().close(fig)
