@@ -56,11 +56,13 @@ def test_toml_block_is_an_accepted_configuration(index, tmp_path, monkeypatch):
     assert kwargs["fmt"].num_layers == tomllib.loads(blocks("toml")[index])["format"]["num_layers"]
 
 
-def test_every_extra_the_readme_names_exists():
+def test_every_extra_the_readme_names_exists_and_every_extra_is_described():
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    named = {e for group in re.findall(r"kvtier\[([a-z0-9,-]+)\]", README) for e in group.split(",")}
-    named |= set(re.findall(r"^\| `([a-z0-9-]+)`", README, flags=re.M)) & (extras | {"nixl", "cuda"})
-    assert named and named <= extras, named - extras
+    in_commands = {e for group in re.findall(r"kvtier\[([a-z0-9,-]+)\]", README) for e in group.split(",")}
+    table = README[README.index("| extra |") :].split("\n\n")[0]
+    in_table = {name for row in table.splitlines()[2:] for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    assert in_commands and in_commands <= extras, in_commands - extras
+    assert in_table == extras, (in_table ^ extras)
 
 
 def _importable(module: str) -> bool:
