@@ -106,6 +106,8 @@ def test_unusable_targets_fail_before_measuring(tmp_path, capsys):
     assert "must end in .png" in capsys.readouterr().err
     assert main(["bench", "--json", str(tmp_path / "missing" / "bw.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "--from-json", str(tmp_path / "gone.json")]) == 2
+    assert "gone.json' does not exist" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2(capsys):

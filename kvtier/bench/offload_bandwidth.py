@@ -553,6 +553,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None and not args.json.parent.is_dir():
         print(f"kvtier bench: --json {str(args.json)!r}: folder {str(args.json.parent)!r} does not exist", file=sys.stderr)
         return 2
+    if args.from_json is not None and not args.from_json.is_file():
+        print(f"kvtier bench: --from-json {str(args.from_json)!r} does not exist", file=sys.stderr)
+        return 2
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
     elif torch.cuda.is_available():
