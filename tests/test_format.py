@@ -1,6 +1,8 @@
 import pytest
+import torch
 
 from kvtier import PageFormat
+from kvtier.format import DTYPES
 from tests.conftest import small_format
 
 
@@ -75,3 +77,42 @@ def test_invalid_formats_name_the_field(kwargs, field):
 def test_unscaled_fp8_only_when_asked():
     fmt = small_format(scale="none", allow_unscaled_fp8=True)
     assert not fmt.has_scales and fmt.scale_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "name, canonical",
+    [
+        ("fp8", "fp8_e4m3"),
+        ("fp8_e4m3fn", "fp8_e4m3"),
+        ("FP8_E4M3", "fp8_e4m3"),
+        (torch.float8_e4m3fn, "fp8_e4m3"),
+        ("torch.float8_e5m2", "fp8_e5m2"),
+        (torch.float8_e5m2, "fp8_e5m2"),
+    ],
+)
+def test_engine_fp8_names_make_the_same_format(name, canonical):
+    fmt = small_format(dtype=name, device_dtype=torch.bfloat16)
+    reference = small_format(dtype=canonical, device_dtype="bf16")
+    assert (fmt.dtype, fmt.device_dtype) == (canonical, "bf16")
+    assert fmt == reference and hash(fmt) == hash(reference)
+    assert fmt.fingerprint == reference.fingerprint
+    assert fmt.torch_dtype == DTYPES[canonical]
+
+
+@pytest.mark.parametrize(
+    "name, canonical",
+    [("bfloat16", "bf16"), (torch.bfloat16, "bf16"), ("float16", "fp16"), ("half", "fp16"), (torch.float16, "fp16")],
+)
+def test_engine_wide_names_make_the_same_format(name, canonical):
+    fmt = small_format(dtype=name, scale="none")
+    assert fmt.dtype == fmt.device_dtype == canonical
+    assert fmt.fingerprint == small_format(dtype=canonical, scale="none").fingerprint
+
+
+@pytest.mark.parametrize("bad", ["auto", "fp8_inc", "fp8_e4m3fnuz", "int8", torch.float32, 8, None])
+def test_unknown_dtype_names_are_refused_with_the_accepted_ones(bad):
+    with pytest.raises(ValueError, match=r"PageFormat\.dtype must be one of .*'fp8_e4m3'.*'fp8'") as err:
+        small_format(dtype=bad)
+    assert repr(bad) in str(err.value)
+    with pytest.raises(ValueError, match=r"PageFormat\.device_dtype"):
+        small_format(device_dtype=bad if bad is not None else "int4")

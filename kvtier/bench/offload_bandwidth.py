@@ -11,8 +11,9 @@ One run measures, on the same machine and in the same process:
 - a synthetic decode loop (a bf16 matmul per layer standing in for attention) with all KV
   reloaded layer by layer from host (wait_layer per layer), against the same loop with the
   KV resident, and against the transfer alone.
-GPU work is timed with CUDA events after a warm-up, median of repeats. It prints a table and
-writes JSON (--json) and a PNG (--png, needs matplotlib). Without CUDA it runs the CPU twin
+GPU work is timed with CUDA events after a warm-up, median of repeats (every repeat kept in the
+JSON). It prints a table and writes JSON (--json) and a PNG (--png, needs matplotlib; drawn by
+kvtier.bench.plots, also from an earlier report with --from-json). Without CUDA it runs the CPU twin
 (TorchEngine, small sizes, wall-clock timing) and says so; those numbers are not PCIe numbers.
 Page sizes come from PageFormats (tokens per page varied at 8 heads x 128 dims) so the
 engine's real paths run. Run it as `kvtier bench` or `python benchmarks/offload_bandwidth.py`;
@@ -30,12 +31,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from kvtier.bench import plots
 from kvtier.format import PageFormat
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import TorchEngine
@@ -56,7 +59,7 @@ def page_format(page_kib: int, layers: int = 1, converting: bool = False) -> Pag
     return PageFormat(layers, HEADS, HEAD_DIM, tokens)
 
 
-def progress(total: int, enabled: bool):
+def progress(total: int, enabled: bool) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:
@@ -65,11 +68,15 @@ def progress(total: int, enabled: bool):
 
 
 class Results:
-    def __init__(self, bar) -> None:
+    def __init__(self, bar: Any) -> None:
         self.rows: list[dict] = []
         self.bar = bar
 
-    def add(self, section: str, path: str, page_bytes: int, pages: int, seconds: float, moved: int, note: str = "") -> None:
+    def add(
+        self, section: str, path: str, page_bytes: int, pages: int, seconds: float, moved: int, note: str = "",
+        runs: tuple[float, ...] = (),
+    ) -> None:
+        """One measurement: `seconds` is the median of the repeats, `runs` every repeat's seconds."""
         self.rows.append(
             {
                 "section": section,
@@ -79,6 +86,7 @@ class Results:
                 "seconds": seconds,
                 "bytes": moved,
                 "gbps": moved / seconds / 1e9 if seconds > 0 else float("nan"),
+                "runs_gbps": [moved / s / 1e9 for s in runs if s > 0],
                 "note": note,
             }
         )
@@ -90,6 +98,7 @@ class Results:
 class Timing(NamedTuple):
     device_s: float  # median GPU time from the first queued copy to the last landed byte
     submit_s: float  # median host time of queueing the work (the engine's Python and launches)
+    device_runs: tuple[float, ...]  # every repeat's GPU time, for the spread
 
 
 # About 10 ms at the H200's 1.98 GHz: longer than any submission here, so the GPU is still
@@ -97,7 +106,7 @@ class Timing(NamedTuple):
 SLEEP_CYCLES = 20_000_000
 
 
-def time_cuda(run, repeats: int, warmup: int) -> Timing:
+def time_cuda(run: Callable[[], list], repeats: int, warmup: int) -> Timing:
     """Median device time of `run` (which queues work and returns what the current stream
     must wait on), with the host's queueing kept off the clock, and median queueing time.
 
@@ -121,10 +130,10 @@ def time_cuda(run, repeats: int, warmup: int) -> Timing:
         end.record()
         end.synchronize()
         device.append(start.elapsed_time(end) / 1e3)
-    return Timing(statistics.median(device), statistics.median(submit))
+    return Timing(statistics.median(device), statistics.median(submit), tuple(device))
 
 
-def time_wall(run, repeats: int, warmup: int) -> float:
+def time_wall_runs(run: Callable[[], object], repeats: int, warmup: int) -> tuple[float, ...]:
     for _ in range(warmup):
         run()
     samples = []
@@ -132,13 +141,17 @@ def time_wall(run, repeats: int, warmup: int) -> float:
         began = time.perf_counter()
         run()
         samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
+    return tuple(samples)
+
+
+def time_wall(run: Callable[[], object], repeats: int, warmup: int) -> float:
+    return statistics.median(time_wall_runs(run, repeats, warmup))
 
 
 class StreamDone:
     """A stream's queued work as something with wait(), like a ticket."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: torch.cuda.Stream) -> None:
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
@@ -232,7 +245,9 @@ def fill_random(dev: DeviceTier, host: HostTier) -> None:
                 host.scale_view(layer, plane).fill_(0.0625)
 
 
-def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str], args, blocks: int | None) -> None:
+def gpu_page_size(
+    results: Results, page_kib: int, pages: int, paths: list[str], args: argparse.Namespace, blocks: int | None
+) -> None:
     from kvtier.transfer.cuda_engine import CudaEngine
 
     rng = np.random.default_rng(page_kib)
@@ -256,7 +271,7 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
             if path == "staged":  # only reloads convert through staging; its offload is the kernel's
                 page = device_bytes // pages
                 note = f"bf16 bytes delivered; fp8 record {fmt.page_bytes / 1024:.1f} KiB; {reload_note}"
-                results.add("reload+upcast", path, page, pages, reload_s, device_bytes, note)
+                results.add("reload+upcast", path, page, pages, reload_s, device_bytes, note, reload.device_runs)
                 engine.close()
                 continue
             offload = time_cuda(lambda: [engine.offload(dslots, hslots, ready=engine.record_ready())], args.repeats, 2)
@@ -265,11 +280,13 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
                 # Keyed by the bf16 page size, like the pass-through rows; the fp8 record is about half.
                 page = device_bytes // pages
                 fp8 = f"fp8 record {fmt.page_bytes / 1024:.1f} KiB"
-                results.add("offload+quantize", path, page, pages, offload_s, device_bytes, f"bf16 bytes read; {fp8}; {offload_note}")
-                results.add("reload+upcast", path, page, pages, reload_s, device_bytes, f"bf16 bytes delivered; {fp8}; {reload_note}")
+                results.add("offload+quantize", path, page, pages, offload_s, device_bytes,
+                            f"bf16 bytes read; {fp8}; {offload_note}", offload.device_runs)
+                results.add("reload+upcast", path, page, pages, reload_s, device_bytes,
+                            f"bf16 bytes delivered; {fp8}; {reload_note}", reload.device_runs)
             else:
-                results.add("offload", path, fmt.page_bytes, pages, offload_s, wire_bytes, offload_note)
-                results.add("reload", path, fmt.page_bytes, pages, reload_s, wire_bytes, reload_note)
+                results.add("offload", path, fmt.page_bytes, pages, offload_s, wire_bytes, offload_note, offload.device_runs)
+                results.add("reload", path, fmt.page_bytes, pages, reload_s, wire_bytes, reload_note, reload.device_runs)
                 both = time_cuda(
                     lambda: [
                         engine.offload(dslots, hslots, ready=engine.record_ready()),
@@ -279,14 +296,15 @@ def gpu_page_size(results: Results, page_kib: int, pages: int, paths: list[str],
                     2,
                 )
                 results.add(
-                    "offload+reload at once", path, fmt.page_bytes, pages, both.device_s, 2 * wire_bytes, _launch_note(engine, both)
+                    "offload+reload at once", path, fmt.page_bytes, pages, both.device_s, 2 * wire_bytes,
+                    _launch_note(engine, both), both.device_runs,
                 )
             engine.close()
         if not converting:
+            piece = time_cuda(lambda: per_piece_offload(dev, host, dslots, hslots), args.repeats, 1)
             results.add(
-                "offload", "per-piece memcpy", fmt.page_bytes, pages,
-                time_cuda(lambda: per_piece_offload(dev, host, dslots, hslots), args.repeats, 1).device_s, wire_bytes,
-                "one cudaMemcpyAsync per (page, plane), vLLM swap_blocks style",
+                "offload", "per-piece memcpy", fmt.page_bytes, pages, piece.device_s, wire_bytes,
+                "one cudaMemcpyAsync per (page, plane), vLLM swap_blocks style", piece.device_runs,
             )
         host.close()
 
@@ -364,7 +382,7 @@ def gpu_decode_loop(results: Results, layers: int, pages: int, repeats: int, pat
     return out
 
 
-def run_gpu(args) -> dict:
+def run_gpu(args: argparse.Namespace) -> dict:
     meta = gpu_meta()
     paths = args.paths or gpu_paths()
     budget = int(args.max_gib * GIB)
@@ -386,7 +404,7 @@ def run_gpu(args) -> dict:
 
 
 # --- CPU twin -------------------------------------------------------------------------------------
-def run_cpu(args) -> dict:
+def run_cpu(args: argparse.Namespace) -> dict:
     meta = {
         "mode": "cpu twin (no CUDA): TorchEngine between CPU tensors; not PCIe numbers",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -414,12 +432,12 @@ def run_cpu(args) -> dict:
             dslots = rng.permutation(2 * pages)[:pages].tolist()
             hslots = rng.permutation(2 * pages)[:pages].tolist()
             page = fmt.device_plane_bytes * fmt.planes * fmt.num_layers if converting else fmt.page_bytes
-            offload_s = time_wall(lambda: engine.offload(dslots, hslots), args.repeats, 1)
-            reload_s = time_wall(lambda: engine.reload(hslots, dslots), args.repeats, 1)
+            offload_runs = time_wall_runs(lambda: engine.offload(dslots, hslots), args.repeats, 1)
+            reload_runs = time_wall_runs(lambda: engine.reload(hslots, dslots), args.repeats, 1)
             names = ("offload+quantize", "reload+upcast") if converting else ("offload", "reload")
             note = f"bf16 bytes; fp8 record {fmt.page_bytes / 1024:.1f} KiB" if converting else ""
-            results.add(names[0], "cpu twin", page, pages, offload_s, pages * page, note)
-            results.add(names[1], "cpu twin", page, pages, reload_s, pages * page, note)
+            for name, runs in zip(names, (offload_runs, reload_runs)):
+                results.add(name, "cpu twin", page, pages, statistics.median(runs), pages * page, note, runs)
             host.close()
     fmt = PageFormat(4, HEADS, HEAD_DIM, 16)
     dev, host = DeviceTier(fmt, 32, "cpu"), HostTier(fmt, 32, pin=False)
@@ -462,39 +480,9 @@ def print_table(report: dict) -> None:
             print(f"#   {path}: reload overlapped {overlapped:.2f} ms, transfer alone {alone:.2f} ms")
 
 
-def write_png(report: dict, target: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"# matplotlib is not installed: no PNG written to {target}", file=sys.stderr)
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    sections = [("offload", "offload+quantize", "d2h_gbps"), ("reload", "reload+upcast", "h2d_gbps")]
-    for ax, (plain, converting, limit_key) in zip(axes, sections):
-        for section, style in ((plain, "-o"), (converting, "--s")):
-            for path in sorted({r["path"] for r in report["rows"] if r["section"] == section}):
-                rows = sorted((r for r in report["rows"] if r["section"] == section and r["path"] == path), key=lambda r: r["page_bytes"])
-                ax.plot([r["page_bytes"] / 1024 for r in rows], [r["gbps"] for r in rows], style, label=f"{section}: {path}")
-        limits = report["limits"]
-        if limit_key in limits:
-            ax.axhline(limits[limit_key], color="black", linestyle=":", label=f"contiguous pinned {limit_key[:3].upper()}")
-            ax.axhline(limits["both_gbps"] / 2, color="gray", linestyle=":", label="half of both directions at once")
-        elif "memcpy_gbps" in limits:
-            ax.axhline(limits["memcpy_gbps"], color="black", linestyle=":", label="CPU memcpy")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("page size (KiB; bf16 bytes for the converting rows)")
-        ax.set_title(plain)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0].set_ylabel("GB/s")
-    fig.suptitle(f"kvtier transfer bandwidth — {report['meta'].get('gpu', report['meta']['mode'])}")
-    fig.tight_layout()
-    fig.savefig(target, dpi=120)
-    plt.close(fig)
-    return True
+def write_png(report: dict, target: Path) -> Path:
+    """Draw the report (kvtier.bench.plots.offload_figure) into `target`; PlotUnavailable without matplotlib."""
+    return plots.save(plots.offload_figure(report), target)
 
 
 def _kib_list(text: str) -> list[int]:
@@ -507,19 +495,38 @@ def _kib_list(text: str) -> list[int]:
     return sizes
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sweep (what scripts/gpu_check.sh runs)")
-    parser.add_argument("--pages", type=int, default=None, help="pages per transfer (default: 4096, capped by --max-gib)")
-    parser.add_argument("--sizes", type=_kib_list, default=None, help="page record sizes in KiB, comma separated (multiples of 4)")
-    parser.add_argument("--paths", type=str, default=None, help="engine paths to measure, comma separated")
-    parser.add_argument("--blocks", type=int, default=None, help="max blocks of a kernel launch (default: one per SM)")
-    parser.add_argument("--max-gib", type=float, default=None, help="bytes of one transfer at most, GiB")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--png", type=Path, default=None)
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options, shared by `kvtier bench` and `python benchmarks/offload_bandwidth.py`."""
+    parser.add_argument("--quick", action="store_true",
+                        help="small sweep: 5 repeats, 0.25 GiB per transfer, a short decode loop "
+                             "(what scripts/gpu_check.sh runs)")
+    parser.add_argument("--pages", type=int, default=None, metavar="N",
+                        help="pages per transfer (default: as many as --max-gib allows, 64 to 4096; CPU twin 16 to 512)")
+    parser.add_argument("--sizes", type=_kib_list, default=None, metavar="KIB,...",
+                        help="page sizes in KiB, comma separated multiples of 4 "
+                             "(default: 4,16,64,256,1024,4096; CPU twin 4,16,64,256)")
+    parser.add_argument("--paths", type=str, default=None, metavar="PATH,...",
+                        help="copy paths to measure, comma separated: kernel, copy_engine, staged, torch "
+                             "(default: every one available)")
+    parser.add_argument("--blocks", type=int, default=None, metavar="N",
+                        help="most blocks one kernel launch may take (default: one per SM)")
+    parser.add_argument("--max-gib", type=float, default=None, metavar="GIB",
+                        help="bytes of one transfer at most, in GiB (default: 4; 0.25 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, metavar="N",
+                        help="timed repeats per measurement, after warm-up; the median is reported and the JSON keeps every "
+                             "repeat for error bars (default: 15; 5 with --quick)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="write the report (meta, limits, rows with every repeat, decode loop) as JSON")
+    parser.add_argument("--png", type=Path, default=None, metavar="FILE",
+                        help="draw the report as a PNG (needs matplotlib: pip install 'kvtier[bench]'); "
+                             "checked before anything is measured")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                        help="measure nothing: print the table of an earlier --json report and draw it with --png")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (tqdm)")
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that depend on the machine (CUDA or the CPU twin) and on --quick."""
     gpu = torch.cuda.is_available()
     default_sizes = [4, 16, 64, 256, 1024, 4096] if gpu else [4, 16, 64, 256]
     args.sizes = args.sizes or default_sizes
@@ -531,9 +538,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if torch.cuda.is_available():
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="offload_bandwidth.py", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return resolve_args(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure (or read --from-json), print the table, write --json and --png. 2: a target cannot be written."""
+    try:
+        if args.png is not None:
+            plots.check_target(args.png)
+    except plots.PlotUnavailable as err:
+        print(f"kvtier bench: {err}; nothing was measured", file=sys.stderr)
+        return 2
+    if args.json is not None and not args.json.parent.is_dir():
+        print(f"kvtier bench: --json {str(args.json)!r}: folder {str(args.json.parent)!r} does not exist", file=sys.stderr)
+        return 2
+    if args.from_json is not None and not args.from_json.is_file():
+        print(f"kvtier bench: --from-json {str(args.from_json)!r} does not exist", file=sys.stderr)
+        return 2
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+    elif torch.cuda.is_available():
         report = run_gpu(args)
     else:
         print("# no CUDA on this machine: running the CPU twin (TorchEngine) with small sizes", file=sys.stderr)
@@ -542,9 +569,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"# wrote {args.json}")
-    if args.png and write_png(report, args.png):
-        print(f"# wrote {args.png}")
+    if args.png:
+        print(f"# wrote {write_png(report, args.png)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

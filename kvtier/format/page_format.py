@@ -34,6 +34,21 @@ DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+# The names engines use for the same dtypes (vLLM and SGLang kv_cache_dtype, torch), matched
+# without regard to case and a leading "torch.". Bare "fp8" is e4m3, as in vLLM and SGLang.
+DTYPE_ALIASES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e4m3fn": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
+}
 FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
@@ -49,24 +64,47 @@ def _align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def canonical_dtype(value: str | torch.dtype, field: str = "dtype") -> str:
+    """kvtier's name ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2") of a dtype name or torch dtype.
+
+    `field` names the option in the error raised for anything else.
+    """
+    if isinstance(value, torch.dtype):
+        for name, dtype in DTYPES.items():
+            if dtype == value:
+                return name
+    elif isinstance(value, str):
+        key = value.strip().lower()
+        found = DTYPE_ALIASES.get(key.removeprefix("torch."))
+        if found is not None:
+            return found
+    aliases = sorted(set(DTYPE_ALIASES) - set(DTYPES))
+    raise ValueError(
+        f"{field} must be one of {list(DTYPES)}, an engine's name for one {aliases}, "
+        f"or one of {[str(d) for d in DTYPES.values()]}; got {value!r}"
+    )
+
+
 @dataclass(frozen=True)
 class PageFormat:
     """A KV page: `page_size` tokens of every layer, K and V (or one MLA latent plane).
 
     `dtype` is what the host and remote tiers store; `device_dtype` (default: `dtype`) is
     what the attention kernel is handed on the device. With fp8 storage and a bf16 device
-    dtype, pages are upcast on reload and quantized (lossy) on offload.
+    dtype, pages are upcast on reload and quantized (lossy) on offload. Both take kvtier's
+    names, the names engines use ("fp8" for e4m3, "fp8_e4m3fn", "bfloat16", "half", ...) or a
+    torch dtype, and hold kvtier's name afterwards.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
-    dtype: str = "bf16"
+    dtype: str | torch.dtype = "bf16"
     scale: str = "none"
     mla: bool = False
     layout: str = "nhd"
-    device_dtype: str | None = None
+    device_dtype: str | torch.dtype | None = None
     allow_unscaled_fp8: bool = False
     planes: int = field(init=False)
 
@@ -75,14 +113,12 @@ class PageFormat:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PageFormat.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"PageFormat.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        # Stored under kvtier's own names, so the fingerprint and equality do not depend on
+        # which spelling the engine used.
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "PageFormat.dtype"))
         if self.device_dtype is None:
             object.__setattr__(self, "device_dtype", self.dtype)
-        if self.device_dtype not in DTYPES:
-            raise ValueError(
-                f"PageFormat.device_dtype must be one of {sorted(DTYPES)}, got {self.device_dtype!r}"
-            )
+        object.__setattr__(self, "device_dtype", canonical_dtype(self.device_dtype, "PageFormat.device_dtype"))
         if self.scale not in SCALES:
             raise ValueError(f"PageFormat.scale must be one of {SCALES}, got {self.scale!r}")
         if self.layout not in LAYOUTS:

@@ -193,6 +193,14 @@ class TieredPool:
                 self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup
             )
 
+    @classmethod
+    def from_config(cls, config=None, **overrides) -> TieredPool:
+        """A pool from a mapping or a JSON / TOML / YAML file, with KVTIER_* environment
+        overrides and human sizes ("64GiB"); keyword overrides win (kvtier.config)."""
+        from kvtier.config import pool_kwargs
+
+        return cls(**pool_kwargs(config, **overrides))
+
     # --- engine-facing views -------------------------------------------------------------
     def device_kv(self, layer: int):
         """(K, V) device pages of `layer`, each (device_pages, *plane_shape); (latent, None) under MLA."""

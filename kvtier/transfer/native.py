@@ -6,21 +6,18 @@ handing out kernel functions and CuPy views of torch streams. It must never laun
 allocate device memory or decide which kernel runs: kvtier.transfer.cuda does.
 
 CuPy (>= 14, for Stream.from_external) is imported inside functions only, so kvtier imports
-on machines without it. The
-sources live in native/ beside the kvtier package (repository root); a wheel must ship them
-at that same relative place.
+on machines without it. The sources are package data, `kvtier/native/*.cu` (in a checkout a
+link to native/ at the repository root), read through importlib.resources so that every
+install mode finds them: wheel, --user, --target, editable, or a checkout on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import threading
-from pathlib import Path
+from importlib import resources
 
-# A source checkout (or editable install) keeps native/ beside kvtier/; a wheel installs the
-# sources as data files under <prefix>/share/kvtier/native.
-NATIVE_DIRS = (Path(__file__).resolve().parents[2] / "native", Path(sys.prefix) / "share" / "kvtier" / "native")
+NATIVE_DIR = resources.files("kvtier") / "native"
 COMPILE_OPTIONS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false")
 MODULES = ("page_copy", "page_convert")
 INCLUDE = re.compile(r'^#include "(\w+\.cu)"$')
@@ -43,11 +40,12 @@ def cupy_available() -> bool:
 
 
 def _read(name: str) -> str:
-    for folder in NATIVE_DIRS:
-        path = folder / name
-        if path.is_file():
-            return path.read_text()
-    raise FileNotFoundError(f"kvtier CUDA source {name} is missing; looked in {[str(d) for d in NATIVE_DIRS]}")
+    path = NATIVE_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"kvtier CUDA source {name} is missing from {NATIVE_DIR}: the install lacks its package data"
+        )
+    return path.read_text(encoding="utf-8")
 
 
 def source(module: str) -> str:
