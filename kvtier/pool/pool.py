@@ -274,20 +274,28 @@ class TieredPool:
             dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
             self._ready = self.engine.record_ready()
-            dtable, hget = dev.table, host.readable_slot
-            fresh_ids, fresh_slots, clean, dirty = [], [], [], []
+            dget, hget, hstate = dev.table.get, host.table.get, host.state
+            fresh_ids, fresh_slots, clean, dirty, absent_slots, absent_ids = [], [], [], [], [], []
             for kid, slot in zip(ids, slots):
-                if kid in dtable:
+                if dget(kid) >= 0:
                     continue
                 fresh_ids.append(kid)
                 fresh_slots.append(slot)
-                (clean if hget(kid) >= 0 else dirty).append(slot)
+                h = hget(kid)
+                if h < 0:
+                    dirty.append(slot)
+                    absent_slots.append(slot)
+                    absent_ids.append(kid)
+                elif _READABLE[hstate[h]]:
+                    clean.append(slot)
+                else:  # the host tier is still fetching it: dirty until that lands
+                    dirty.append(slot)
             self.counters.duplicate_commits += len(ids) - len(fresh_ids)
             dev.bind_all(fresh_slots, fresh_ids)
             dev.set_states(clean, S.RESIDENT)
             dev.set_states(dirty, S.DIRTY)
-            if dirty and self.write_policy.copy_on_commit():
-                self._copy_down(dirty, evicting=False)
+            if absent_slots and self.write_policy.copy_on_commit():
+                self._start_copy_down(absent_slots, absent_ids, evicting=False)
             self.counters.latency["commit"].observe(time.perf_counter() - start)
             return len(fresh_ids)
 
@@ -463,24 +471,28 @@ class TieredPool:
             missing.append(i)
         if missing:
             return waits, missing
+        dget, hget, hstate = dev.table.get, host.table.get, host.state
+        on_dev, on_host = [], []
         for i, kid in enumerate(ids):
             if i in host_src or i in dev_src:
                 continue
-            slot = dev.lookup(kid)
+            slot = dget(kid)
             if slot >= 0:
-                dev.hold_all((slot,))
                 dev_src[i] = slot
+                on_dev.append(slot)
                 continue
-            slot = host.lookup(kid)
+            slot = hget(kid)
             if slot >= 0:
-                if _READABLE[host.state[slot]]:
-                    host.hold_all((slot,), touch=True)
+                if _READABLE[hstate[slot]]:
                     host_src[i] = slot
+                    on_host.append(slot)
                 else:  # landing for another call (a prefetch or a copy-down): wait, then look again
                     ticket = self._fetching.get(slot)
                     waits.append(ticket.synchronize if ticket is not None else self._progress_waiter("host"))
                 continue
             fetch.append(i)
+        dev.hold_all(on_dev)
+        host.hold_all(on_host, touch=True)
         if fetch and self._link is None:
             return waits, fetch
         if fetch:
@@ -1049,11 +1061,17 @@ class TieredPool:
         dev.set_states(clean, S.RESIDENT)
         if not moving:
             return clean
+        return clean + self._start_copy_down(moving, [dev.id_of(slot) for slot in moving], evicting)
+
+    def _start_copy_down(self, moving: list[int], ids: list[bytes], evicting: bool) -> list[int]:
+        """Copy dirty device pages that the host tier does not hold (`ids` are their keys) into
+        as many host slots as there is room for now; returns the device slots whose copy started."""
+        dev, host = self._dev, self._host
         host_slots = self._take_host(len(moving))
         moving = moving[: len(host_slots)]
         if not moving:
-            return clean
-        host.bind_all(host_slots, [dev.id_of(slot) for slot in moving])
+            return []
+        host.bind_all(host_slots, ids[: len(host_slots)])
         dev.set_states(moving, S.OFFLOADING, busy_delta=1)
         host.hold_all(host_slots)
         if evicting:
@@ -1079,7 +1097,7 @@ class TieredPool:
                 self._free_evicted(moving)
 
         self._submit(ticket, finish)
-        return clean + moving
+        return moving
 
     def _refuse_unencodable(self, dev_slots: list[int], host_slots: list[int]) -> None:
         """Pages whose offload could not encode them (NaN or Inf over fp8 storage) leave the
