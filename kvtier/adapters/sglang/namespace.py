@@ -122,6 +122,13 @@ def resolve_kv_format(role: str, pool_dtype: torch.dtype) -> KvFormat:
     serving pages quantized under other scales."""
     fmt = recorded_kv_format(role)
     if fmt is not None:
+        itemsize = getattr(torch, fmt.kv_dtype.removeprefix("torch.")).itemsize
+        if itemsize != pool_dtype.itemsize:
+            raise ValueError(
+                f"the {role} model runner recorded KV dtype {fmt.kv_dtype} ({itemsize} bytes) but "
+                f"the host pool stores {pool_dtype} ({pool_dtype.itemsize} bytes): the pool was not "
+                "filled by that runner"
+            )
         if fmt.scales is not None and fmt.attention_layers == 0:
             raise ValueError(
                 f"the {role} model runner has an fp8 KV cache ({fmt.kv_dtype}) but kvtier found no "
