@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +15,9 @@ pytest.importorskip("nixl_cu13")
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 import torch  # noqa: E402
-from prometheus_client import REGISTRY  # noqa: E402
+from prometheus_client import REGISTRY, CollectorRegistry  # noqa: E402
+from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
+from sglang.srt.observability.metrics_collector import StorageMetrics  # noqa: E402
 
 from sglang_pools import (  # noqa: E402
     PAGE,
@@ -159,8 +166,6 @@ def test_only_the_storage_writer_writes_replicated_mla(tmp_path, gen):
 
 
 def test_metrics_and_sglang_storage_stats(tmp_path, gen):
-    from sglang.srt.observability.metrics_collector import StorageMetrics
-
     pool = make_host_pool()
     backend = make_backend(storage_config(tmp_path, metrics=True), pool)
     idx = pool.alloc(5 * PAGE)
@@ -227,3 +232,30 @@ def test_concurrent_backup_prefetch_and_exists_threads(tmp_path, gen):
         for a, d in zip(page_starts(sources[b]), page_starts(dsts[b])):
             assert page_bytes(pool, d) == page_bytes(pool, a)
     backend.close()
+
+
+def test_counters_reach_sglang_multiprocess_scrape(tmp_path):
+    """SGLang serves /metrics in prometheus-client's multiprocess mode: counters a scheduler
+    process bumps are read back from PROMETHEUS_MULTIPROC_DIR by the server's collector."""
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    code = textwrap.dedent(f"""
+        import torch
+        from sglang_pools import PAGE, fill_pages, keys_for, make_backend, make_host_pool, storage_config
+        pool = make_host_pool()
+        backend = make_backend(storage_config({str(tmp_path / 'store')!r}), pool)
+        idx = pool.alloc(3 * PAGE)
+        fill_pages(pool, idx, torch.Generator().manual_seed(1))
+        assert backend.batch_set_v1(keys_for("scrape", 3), idx) == [True] * 3
+        assert backend.batch_get_v1(keys_for("scrape", 4), pool.alloc(4 * PAGE)) == [True, True, True, False]
+        backend.close()
+    """)
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), PYTHONPATH=here)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(metrics_dir))
+    assert registry.get_sample_value("kvtier_sglang_pages_total", {"pool": "kv", "op": "read", "result": "hit"}) == 3
+    assert registry.get_sample_value("kvtier_sglang_pages_total", {"pool": "kv", "op": "read", "result": "miss"}) == 1
+    assert registry.get_sample_value("kvtier_sglang_pages_total", {"pool": "kv", "op": "write", "result": "written"}) == 3
