@@ -238,3 +238,11 @@ def test_recorder_never_fails_the_model_runner(caplog):
     assert plugin._record_after_configure(None, _Runner(model=None, kv_cache_dtype=torch.bfloat16, is_draft_worker=False)) is None
     assert recorded_kv_format("target") == before
     assert "could not record the target model runner's KV format" in caplog.text
+
+
+def test_hook_passes_argv_given_by_keyword(tmp_path):
+    extra = json.dumps({"path": str(tmp_path)})
+    args, kwargs = plugin._rewrite_before_prepare(argv=BASE + ["--hicache-storage-backend", "kvtier", plugin.EXTRA_FLAG, extra])
+    assert args == () and "dynamic" in kwargs["argv"]
+    assert plugin._rewrite_before_prepare(argv=BASE) is None
+    assert plugin._rewrite_before_prepare(BASE) is None

@@ -14,7 +14,7 @@ Facts it relies on, read from sglang 0.5.23 (paths under ``sglang/srt/``):
   after, through ``register_mem_pool_host`` (``managers/cache_controller.py:617``).
 - The zero-copy v1 calls are used for ``dynamic`` only when the extra config sets
   ``interface_v1`` (``managers/cache_controller.py:664``); a backup stops at the first batch
-  whose ``batch_set_v1`` is not all True (``managers/cache_controller.py:1410,1428``).
+  whose ``batch_set_v1`` is not all True (``managers/cache_controller.py:1410,1432``).
 - ``batch_exists`` returns the number of leading keys present; batches hold at most
   ``STORAGE_BATCH_SIZE`` = 128 keys for v1 (``mem_cache/hicache_storage.py:24``); v2 sidecar
   writes carry a whole operation (``mem_cache/hybrid_cache/hybrid_cache_controller.py:1711``).
@@ -22,7 +22,7 @@ Facts it relies on, read from sglang 0.5.23 (paths under ``sglang/srt/``):
   L·P·H·D·itemsize bytes) for MHA ``page_first`` / ``page_first_direct``, 2L (each P·H·D·itemsize,
   K and V of each layer) for MHA ``layer_first``, 1 for MLA ``page_first`` /
   ``page_first_direct``, L for MLA ``layer_first``, and K, V of unequal sizes for the asymmetric
-  MHA pool (``mem_cache/pool_host/mha.py:1236,1608``, ``mem_cache/pool_host/mla.py:1213``).
+  MHA pool (``mem_cache/pool_host/mha.py:817,1608``, ``mem_cache/pool_host/mla.py:1213``).
   kvtier stores the pieces of a page, in that order, as one record.
 - Only the storage writer writes (``HiCacheStorageConfig.is_storage_writer``: for MLA one rank
   per DCP shard, ``mem_cache/hicache_storage.py:69``); other ranks' writes return True.
@@ -33,7 +33,7 @@ Facts it relies on, read from sglang 0.5.23 (paths under ``sglang/srt/``):
   ``register_mem_host_pool_v2`` and move through ``batch_exists_v2`` / ``batch_get_v2`` /
   ``batch_set_v2`` (``mem_cache/hybrid_cache/hybrid_cache_controller.py:356,1438,1651,1711``).
 - SGLang's fault-injection wrapper calls ``close()`` unconditionally
-  (``mem_cache/hicache_storage.py:725``).
+  (``mem_cache/hicache_storage.py:724``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier.adapters.sglang import metrics
 from kvtier.adapters.sglang.namespace import pool_namespace, resolve_kv_format
@@ -64,6 +66,8 @@ from kvtier.index.keys import key_ids
 from kvtier.tiers.remote import RemoteStore
 
 logger = logging.getLogger(__name__)
+
+_GENERIC = "the generic (copying) interface is not served: kvtier needs interface_v1"
 
 
 def _pool_regions(pool: Any) -> list[torch.Tensor]:
@@ -179,8 +183,6 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if name == str(PoolName.KV):
             return
         role = "draft" if name.startswith("draft") else "target"
-        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
         replicated = isinstance(host_pool, MLATokenToKVPoolHost) and self.storage_config.is_mla_model
         self._lanes[name] = self._open_lane(name, host_pool, role, replicated)
 
@@ -271,7 +273,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 break
             lane = self._lanes.get(str(transfer.name))
             if lane is None or lane.logical:
-                self._warn_once("exists", f"pool {transfer.name} is not registered", 0, str(transfer.name))
+                self._fail("exists", str(transfer.name), 0, "the pool is not registered")
                 restorable = []
                 break
             present = self._contains(lane, keys[:kv_pages])
@@ -285,7 +287,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 }
                 boundary = max(pool_restorable, default=0)
             else:
-                self._warn_once("exists", f"hit policy {transfer.hit_policy} is not supported", 0, str(transfer.name))
+                self._fail("exists", str(transfer.name), 0, f"hit policy {transfer.hit_policy} is not supported")
                 pool_restorable, boundary = set(), 0
             if boundary:
                 hit_count[transfer.name] = boundary
@@ -315,22 +317,22 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
         """Not served: kvtier requires ``interface_v1`` (checked at construction), so SGLang never
         takes this path; a call is a miss."""
-        self._warn_once("read", "the generic (copying) interface is not served; set interface_v1", 1, "kv")
+        self._fail("read", "kv", 1, _GENERIC)
         return None
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[None]:
-        self._warn_once("read", "the generic (copying) interface is not served; set interface_v1", len(keys), "kv")
+        self._fail("read", "kv", len(keys), _GENERIC)
         return [None] * len(keys)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
-        self._warn_once("write", "the generic (copying) interface is not served; set interface_v1", 1, "kv")
+        self._fail("write", "kv", 1, _GENERIC)
         return False
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        self._warn_once("write", "the generic (copying) interface is not served; set interface_v1", len(keys), "kv")
+        self._fail("write", "kv", len(keys), _GENERIC)
         return False
 
     # ----------------------------------------------------------------- housekeeping
@@ -342,14 +344,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 removed = lane.store.clear()
                 logger.info("kvtier: cleared %d pages of pool %r", removed, lane.name)
             except Exception as exc:
-                self._warn_once("clear", f"{type(exc).__name__}: {exc}", 0, lane.name)
+                self._fail("clear", lane.name, 0, exc)
                 ok = False
         return ok
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` since the last call: pages per batch and GB/s per batch."""
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-
         with self._stats_lock:
             stats = StorageMetrics(
                 prefetch_pgs=self._prefetch_pages, backup_pgs=self._backup_pages,
@@ -387,7 +387,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             present = lane.store.contains_ids(key_ids(keys))
         except Exception as exc:
-            self._warn_once("exists", f"{type(exc).__name__}: {exc}", len(keys), lane.name)
+            self._fail("exists", lane.name, len(keys), exc)
             return [False] * len(keys)
         hits = sum(present)
         metrics.count(lane.name, "exists", hit=hits, miss=len(keys) - hits)
@@ -398,7 +398,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if count == 0:
             return []
         if lane is None:
-            self._warn_once("read", f"pool {name} is not registered", count, name)
+            self._fail("read", name, count, "the pool is not registered")
             return [False] * count
         if lane.logical:
             return [True] * count
@@ -407,7 +407,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             buffers = lane.page_buffers(host_indices, count)
             found = lane.store.get_ids(key_ids(keys), buffers)
         except Exception as exc:
-            self._warn_once("read", f"{type(exc).__name__}: {exc}", count, name)
+            self._fail("read", name, count, exc)
             return [False] * count
         hits = sum(found)
         metrics.count(name, "read", hit=hits, miss=count - hits)
@@ -420,7 +420,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if count == 0:
             return []
         if lane is None:
-            self._warn_once("write", f"pool {name} is not registered", count, name)
+            self._fail("write", name, count, "the pool is not registered")
             return [False] * count
         if lane.logical or (lane.replicated and not self.storage_config.is_storage_writer):
             metrics.count(name, "write", skipped=count)
@@ -433,7 +433,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             missing = [i for i in range(count) if not present[i]]
             written = lane.store.put_ids([ids[i] for i in missing], [buffers[i] for i in missing]) if missing else []
         except Exception as exc:
-            self._warn_once("write", f"{type(exc).__name__}: {exc}", count, name)
+            self._fail("write", name, count, exc)
             return [False] * count
         result = [bool(p) for p in present]
         for i, ok in zip(missing, written):
@@ -441,8 +441,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         stored = sum(written)
         failed = len(missing) - stored
         if failed:
-            self._warn_once("write", "the store did not publish every page (see kvtier.tiers.remote logs)", 0, name)
-        metrics.count(name, "write", written=stored, present=count - len(missing), failed=failed)
+            self._fail("write", name, failed, "the store did not publish every page (see kvtier.tiers.remote logs)")
+        metrics.count(name, "write", written=stored, present=count - len(missing))
         metrics.count_bytes(name, "write", stored * lane.page_bytes)
         self._record("backup", stored, stored * lane.page_bytes, time.perf_counter() - start)
         return result
@@ -456,18 +456,20 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 nbytes / max(seconds, 1e-9) / 1e9
             )
 
-    def _warn_once(self, op: str, cause: str, pages: int, pool: str) -> None:
-        """Count ``pages`` failed for ``op`` and log ``cause`` the first time it is seen."""
+    def _fail(self, op: str, pool: str, pages: int, cause: Any) -> None:
+        """Count ``pages`` failed for ``op`` on ``pool`` and log ``cause`` (an exception or a
+        sentence) the first time its kind is seen for that operation and pool."""
         if pages:
             metrics.count(pool, op, failed=pages)
-        key = (op, cause.split(":", 1)[0] if ": " in cause else cause)
+        kind = type(cause).__name__ if isinstance(cause, BaseException) else cause
         with self._warn_lock:
-            if key in self._warned:
+            if (op, pool, kind) in self._warned:
                 return
-            self._warned.add(key)
-        logger.warning("kvtier: %s on pool %s failed for %d pages: %s (logged once per cause; "
+            self._warned.add((op, pool, kind))
+        detail = f"{kind}: {cause}" if isinstance(cause, BaseException) else cause
+        logger.warning("kvtier: %s on pool %s failed for %d pages: %s (logged once per kind of failure; "
                        "failures are misses or False, counted in kvtier_sglang_pages_total)",
-                       op, pool, pages, cause)
+                       op, pool, pages, detail)
 
 
 def _directory(location: str) -> str:

@@ -69,18 +69,16 @@ def register() -> None:
 
 
 def _rewrite_before_prepare(*args, **kwargs):
-    if args:
-        argv, rest = args[0], args[1:]
-    elif "argv" in kwargs:
-        argv, rest = kwargs.pop("argv"), ()
-    else:
+    """BEFORE ``prepare_server_args(argv)``: new arguments when argv selects kvtier, else None."""
+    argv = args[0] if args else kwargs.get("argv")
+    if argv is None:
         return None
     rewritten = rewrite_argv(list(argv))
     if rewritten is None:
         return None
-    if rest or not args:
-        return (rewritten, *rest), kwargs
-    return (rewritten,), kwargs
+    if args:
+        return (rewritten, *args[1:]), kwargs
+    return args, {**kwargs, "argv": rewritten}
 
 
 def _record_after_configure(result, runner, *args, **kwargs):
