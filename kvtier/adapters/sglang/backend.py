@@ -91,14 +91,13 @@ class _Lane:
     (pointer, size) pieces of each page."""
 
     def __init__(self, name: str, pool: Any, store: Optional[RemoteStore], piece_sizes: tuple[int, ...],
-                 replicated: bool, regions: list[torch.Tensor], namespace: str):
+                 replicated: bool, regions: list[torch.Tensor]):
         self.name = name
         self.pool = pool
         self.store = store
         self.piece_sizes = piece_sizes
         self.page_bytes = sum(piece_sizes)
         self.replicated = replicated
-        self.namespace = namespace
         self.indices_per_page = int(getattr(pool, "logical_page_size", pool.page_size))
         bounds = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in regions]
         self._starts = np.array([b[0] for b in bounds], dtype=np.int64)
@@ -197,7 +196,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if not regions:
                 logger.info("kvtier: host pool %r (%s) has no kv_buffer: a logical anchor, its pages "
                             "travel in v2 pools", name, type(pool).__name__)
-                return _Lane(name, pool, None, (), replicated, [], "")
+                return _Lane(name, pool, None, (), replicated, [])
             if not hasattr(pool, "get_page_buffer_meta"):
                 raise ValueError(f"host pool {name!r} ({type(pool).__name__}) has no get_page_buffer_meta; "
                                  "kvtier moves pages zero-copy and needs it")
@@ -231,7 +230,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 "namespace %s (%s)", name, type(pool).__name__, pool.layout, len(piece_sizes),
                 sum(piece_sizes), self.settings.path, namespace[:16], fields,
             )
-            return _Lane(name, pool, store, piece_sizes, replicated, regions, namespace)
+            return _Lane(name, pool, store, piece_sizes, replicated, regions)
 
     # ----------------------------------------------------------------- v1
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
