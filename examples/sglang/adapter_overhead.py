@@ -2,7 +2,7 @@
 
 Runs in the SGLang harness venv (``make test-sglang`` builds it) on the CPU: sglang's own host
 pools, kvtier's store on NIXL (POSIX) in a temporary directory. For each layout it times, median
-of ``--repeats``: the adapter's bookkeeping alone (key ids, ``get_page_buffer_meta``, piece and
+of ``--repeats`` (the adapter's and the store's calls interleaved): the adapter's bookkeeping alone (key ids, ``get_page_buffer_meta``, piece and
 bounds checks), then ``batch_set_v1`` / ``batch_get_v1`` against the store's ``put_ids`` /
 ``get_ids`` on the same pieces. Prints a table; ``--json`` writes the numbers.
 
@@ -64,8 +64,15 @@ def measure(kind: str, layout: str, layers: int, heads: int, head_dim: int, page
         row["batch_set_v1_ms"], row["store_put_ms"] = statistics.median(sets), statistics.median(puts)
         stored = keys_for(f"{kind}-{layout}-set-0", BATCH)
         ids = key_ids(stored)
-        row["batch_get_v1_ms"] = median_ms(lambda: backend.batch_get_v1(stored, idx), repeats)
-        row["store_get_ms"] = median_ms(lambda: lane.store.get_ids(ids, buffers), repeats)
+        gets, store_gets = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            assert backend.batch_get_v1(stored, idx) == [True] * BATCH
+            gets.append((time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            assert lane.store.get_ids(ids, buffers) == [True] * BATCH
+            store_gets.append((time.perf_counter() - start) * 1e3)
+        row["batch_get_v1_ms"], row["store_get_ms"] = statistics.median(gets), statistics.median(store_gets)
         backend.close()
     return row
 
