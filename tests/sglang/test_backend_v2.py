@@ -137,4 +137,9 @@ def test_logical_anchor_defers_to_its_sidecars(tmp_path, gen):
     }
     query = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA)])
     assert query.kv_hit_pages == 2
+    with pytest.raises(ValueError, match="has no kv_buffer"):
+        backend.register_mem_host_pool_v2(anchor, PoolName.DRAFT)
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=idx, keys=keys)]) == {
+        PoolName.DRAFT: [False] * 3
+    }, "a pool without bytes is never answered True outside the KV anchor"
     backend.close()

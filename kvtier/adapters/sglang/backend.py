@@ -158,7 +158,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._anchor: Optional[_Lane] = None
         self._lanes: dict[str, _Lane] = {}
         self._register_lock = threading.Lock()
-        self._warned: set[tuple[str, str]] = set()
+        self._warned: set[tuple[str, str, str]] = set()
         self._warn_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._prefetch_pages: list[int] = []
@@ -193,6 +193,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if old is not None and old.pool is pool:
                 return old
             regions = _pool_regions(pool)
+            if not regions and name != str(PoolName.KV):
+                raise ValueError(
+                    f"host pool {name!r} ({type(pool).__name__}) has no kv_buffer; kvtier stores MHA and "
+                    "MLA host pools (only the KV anchor may be a logical pool without bytes)"
+                )
             if not regions:
                 logger.info("kvtier: host pool %r (%s) has no kv_buffer: a logical anchor, its pages "
                             "travel in v2 pools", name, type(pool).__name__)
