@@ -500,6 +500,31 @@ class RemoteIndex:
         """
         self.flush_touches()
         slots: list[SlotRef] = []
+        try:
+            evicted = self._reserve(
+                count, slots, length, slot_stride, slots_per_segment, capacity_bytes,
+                high_watermark, low_watermark, create_segment,
+            )
+        except BaseException:
+            if slots:  # committed by earlier transactions of this call: give them back
+                self.release(slots)
+            raise
+        return Reservation(slots, evicted)
+
+    def _reserve(
+        self,
+        count: int,
+        slots: list[SlotRef],
+        length: int,
+        slot_stride: int,
+        slots_per_segment: int,
+        capacity_bytes: Optional[int],
+        high_watermark: float,
+        low_watermark: float,
+        create_segment: Callable[[int, int, int], None],
+    ) -> int:
+        """``reserve``'s loop: appends to ``slots`` as each transaction commits; returns how
+        many pages it evicted."""
         evicted = 0
         evicting = exhausted = False
         while len(slots) < count:
@@ -533,7 +558,7 @@ class RemoteIndex:
                     [(s.seg, s.slot, length, self.owner, now) for s in new],
                 )
                 slots.extend(new)
-        return Reservation(slots, evicted)
+        return evicted
 
     def _evict_some(self, db: sqlite3.Connection, excess: float, now: float) -> int:
         """Evict least recently used pages, up to ``ROWS_PER_TRANSACTION``, until ``excess``

@@ -137,7 +137,7 @@ from kvtier.tiers.remote.index import (
     SlotRef,
     make_owner,
 )
-from kvtier.tiers.remote.errors import TransferFailed
+from kvtier.tiers.remote.errors import StoreUnsafe, TransferFailed
 from kvtier.tiers.remote.nixl import BACKENDS, NixlEngine, load_nixl_api
 from kvtier.tiers.remote.paths import (
     Modes,
@@ -434,6 +434,9 @@ class RemoteStore:
             self._release_quietly(slots)
             self._count(write_failures=len(slots))
             return published
+        except StoreUnsafe:
+            self._release_quietly(slots)
+            raise
         _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
         chunks = self._chunks(writable)
