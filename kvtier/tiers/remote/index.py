@@ -753,16 +753,15 @@ class RemoteIndex:
         self, seg: int, slot_stride: int, nslots: int, records: Sequence[tuple]
     ) -> None:
         """Add segment ``seg`` to an empty index with ``records`` published, given as (ns, key,
-        slot, length, crc, token) in LRU order (oldest first); every other slot is free. Used
-        by ``tool.rebuild_index`` while it holds the store exclusively."""
+        slot, length, crc, token, last_access); every other slot is free. Used by
+        ``tool.rebuild_index`` while it holds the store exclusively."""
         now = time.time()
         with self._transaction() as db:
             db.execute("INSERT INTO segments VALUES (?, ?, ?, ?)", (seg, slot_stride, nslots, nslots))
-            first = self._tick(db, len(records))
             db.executemany(
                 "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(ns, key, seg, slot, length, crc, token, first + n)
-                 for n, (ns, key, slot, length, crc, token) in enumerate(records)],
+                [(ns, key, seg, slot, length, crc, token, last_access)
+                 for ns, key, slot, length, crc, token, last_access in records],
             )
             used = {r[2] for r in records}
             db.executemany(
@@ -770,6 +769,10 @@ class RemoteIndex:
                 [(seg, slot, slot_stride, now) for slot in range(nslots) if slot not in used],
             )
             self._count_pages(db, ((r[0], r[3]) for r in records), 1)
+            db.execute(
+                "UPDATE meta SET value = MAX(value, ?) WHERE name = 'clock'",
+                (max((r[6] for r in records), default=0),),
+            )
 
     def close(self) -> None:
         """Write buffered hits and close the connections."""
