@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -346,82 +345,6 @@ def test_a_reopened_store_serves_everything_committed(open_store, tmp_path):
     assert again.stats()["pages"] == 20
 
 
-def test_corrupt_payload_or_header_is_a_counted_miss_and_dropped(open_store):
-    store = open_store()
-    data = random_pages(4, seed=5)
-    keys = ["k0", "k1", "k2", "k3"]
-    store.put(keys, data)
-    path, _, payload = record_offsets(store, "k1")
-    flip_byte(path, payload + PAGE // 2)
-    path, header, _ = record_offsets(store, "k2")
-    flip_byte(path, header)  # the magic
-    out = poisoned(4)
-    assert store.get(keys, out) == [True, False, False, True]
-    assert same([out[0], out[3]], [data[0], data[3]])
-    s = store.stats()
-    assert (s["corrupt_reads"], s["raced_reads"], s["pages"]) == (2, 0, 2)
-    assert store.contains(keys) == [True, False, False, True]
-    assert store.put(["k1"], [data[1]]) == [True]  # rewritten into a fresh slot
-    assert store.get(["k1"], out[:1]) == [True] and torch.equal(out[0], data[1])
-
-
-def test_a_writer_killed_before_publishing_leaves_nothing_visible(open_store, tmp_path):
-    directory = tmp_path / "store"
-    marker = tmp_path / "durable"
-    child = run_child("crash", directory, marker)
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert child.poll() is None, child.communicate()[0]
-        assert time.monotonic() < deadline, "the child never reached publication"
-        time.sleep(0.05)
-    child.kill()
-    child.wait()
-    store = open_store(reuse_delay_s=0.0)  # opening reclaims the dead writer's slots
-    keys = [f"crash-{i}" for i in range(8)]
-    written = random_pages(8, seed=7)
-    segment = (directory / "segments" / "00000001.seg").read_bytes()
-    assert written[0].numpy().tobytes() in segment  # the bytes were durable, not published
-    assert store.contains(keys) == [False] * 8
-    assert store.get(keys, poisoned(8)) == [False] * 8
-    s = store.stats()
-    assert (s["reserved_slots"], s["free_slots"], s["pages"]) == (0, 8, 0)
-    data = random_pages(8, seed=8)
-    assert all(store.put(keys, data))
-    assert store.stats()["free_slots"] == 0  # the reclaimed slots were reused
-    out = poisoned(8)
-    assert store.get(keys, out) == [True] * 8 and same(out, data)
-
-
-def test_injected_errors_and_timeouts_fail_cleanly(open_store):
-    store = open_store(timeout_s=0.3)
-    base = random_pages(4, seed=9)
-    keys = ["a", "b", "c", "d"]
-    assert all(store.put(keys, base))
-    other = random_pages(4, seed=10)
-    for mode in ("error", "error_after_io", "timeout"):
-        store.faults.arm(mode, op="WRITE")
-        start = time.monotonic()
-        assert store.put(keys, other) == [False] * 4  # an overwrite that must not land
-        if mode == "timeout":
-            assert time.monotonic() - start >= 0.3
-        assert store.put(["new"], other[:1]) == [True]  # the fault was spent
-        store.delete(["new"])
-    assert store.stats()["write_failures"] == 12
-    out = poisoned(4)
-    assert store.get(keys, out) == [True] * 4 and same(out, base)  # no failed write landed
-    for mode in ("error", "error_after_io", "timeout"):
-        store.faults.arm(mode, op="READ")
-        assert store.get(keys, poisoned(4)) == [False] * 4
-        out = poisoned(4)
-        assert store.get(keys, out) == [True] * 4 and same(out, base)
-    s = store.stats()
-    assert (s["read_failures"], s["corrupt_reads"], s["reserved_slots"]) == (12, 0, 0)
-    assert (s["pages"], s["write_failures"]) == (4, 12)
-    store.faults.arm("error", count=5)
-    store.faults.disarm()
-    assert store.put(["after"], other[:1]) == [True]
-
-
 def test_namespaces_are_isolated_and_clear_is_scoped(open_store):
     a = open_store(namespace="aa")
     b = open_store(namespace="BB01")
@@ -474,28 +397,6 @@ def test_watermarks_evict_down_to_the_low_mark_and_reject_what_cannot_fit(open_s
                       high_watermark=1.0, low_watermark=1.0)
     assert tiny.put(["x", "y", "z"], data[:3]) == [True, True, False]
     assert tiny.stats()["rejected_writes"] == 1
-
-
-def test_a_read_racing_slot_reuse_is_a_miss_not_corruption(open_store, monkeypatch):
-    reader = open_store(reuse_delay_s=0.0)
-    writer = open_store(reuse_delay_s=0.0)
-    v1, v2, v3 = random_pages(3, seed=15)
-    writer.put(["k"], [v1])
-    looked_up = reader._index.lookup
-
-    def lookup_then_race(ns, keys):
-        found = looked_up(ns, keys)
-        writer.put(["k"], [v2])  # frees k's old slot...
-        writer.put(["other"], [v3])  # ...which is reused at once
-        return found
-
-    monkeypatch.setattr(reader._index, "lookup", lookup_then_race)
-    assert reader.get(["k"], poisoned(1)) == [False]
-    monkeypatch.undo()
-    s = reader.stats()
-    assert (s["raced_reads"], s["corrupt_reads"]) == (1, 0)
-    out = poisoned(1)
-    assert reader.get(["k"], out) == [True] and torch.equal(out[0], v2)
 
 
 def test_threads_never_read_torn_or_foreign_pages(open_store):
@@ -609,3 +510,44 @@ def test_bad_arguments_name_the_value_and_the_expectation(open_store, tmp_path):
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.contains(["k"])
+
+
+def test_default_capacity_is_half_the_free_space_plus_what_the_store_holds(open_store, tmp_path, monkeypatch, caplog):
+    import kvtier.tiers.remote.store as store_module
+
+    first = open_store(capacity_bytes=100 * PAGE)
+    assert all(first.put(["a", "b", "c"], random_pages(3, seed=27)))
+    assert first.capacity_bytes == first.stats()["capacity_bytes"] == 100 * PAGE
+    first.close()
+    free_blocks = 1000
+    real = os.statvfs(tmp_path)
+    fake = os.statvfs_result(tuple(real)[:4] + (free_blocks,) + tuple(real)[5:])
+    monkeypatch.setattr(store_module.os, "statvfs", lambda path: fake if str(path) == first.directory else real)
+    with caplog.at_level("INFO", logger="kvtier.tiers.remote"):
+        again = open_store()
+    expected = free_blocks * fake.f_frsize // 2 + 3 * PAGE
+    assert again.capacity_bytes == again.stats()["capacity_bytes"] == expected
+    logged = [r.getMessage() for r in caplog.records if "capacity_bytes not given" in r.getMessage()]
+    assert len(logged) == 1 and first.directory in logged[0] and "50%" in logged[0]
+
+
+@pytest.mark.parametrize("level, loud", [(None, False), ("INFO", True)])
+def test_opening_a_store_prints_nothing_unless_nixl_log_level_asks(tmp_path, level, loud):
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    if level is not None:
+        env["NIXL_LOG_LEVEL"] = level
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    code = (
+        "import sys\n"
+        "from kvtier.tiers.remote import RemoteStore\n"
+        "RemoteStore(sys.argv[1], namespace='ab', page_bytes=4096).close()\n"
+        "print('opened')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "opened"
+    if loud:
+        assert "NIXL INFO" in done.stdout + done.stderr
+    else:
+        assert (done.stdout, done.stderr) == ("opened\n", "")

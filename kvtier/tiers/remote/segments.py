@@ -23,8 +23,9 @@ a second descriptor for the header stream was measured and gave nothing (kernel 
 copes). The superblock lets ``tool.rebuild_index`` find every record without the index.
 
 A segment file that was deleted or truncated under a running store is found by one ``fstat``
-per segment per batch: its pages fail to read (and leave the index), and the next write into
-it recreates the file at full size.
+per segment per batch: the pages it lost (all of a deleted file, those past the end of a
+truncated one) fail to read and leave the index, the others are served, and the next write
+into it lays the file out at full size again.
 """
 
 from __future__ import annotations
@@ -219,64 +220,66 @@ class SegmentFiles:
             self._engine.deregister(found[3])
             os.close(found[0])
 
-    def _damage(self, seg: int) -> Optional[str]:
-        """Why ``seg``'s open file can no longer hold its records, or None."""
-        fd, slot_stride, nslots = self._segment(seg)
+    def _state(self, seg: int) -> tuple[Optional[str], int]:
+        """(why ``seg``'s open file can hold none of its records, or None; its size)."""
+        fd, _, _ = self._segment(seg)
         info = os.fstat(fd)
         if info.st_nlink == 0:
-            return f"segment file {self._file(seg)} was deleted"
-        if info.st_size < segment_file_bytes(slot_stride, nslots):
-            return (
-                f"segment file {self._file(seg)} is {info.st_size} bytes; expected "
-                f"{segment_file_bytes(slot_stride, nslots)}"
-            )
-        return None
+            return f"segment file {self._file(seg)} was deleted", 0
+        return None, info.st_size
 
     def _repair(self, seg: int, reason: str) -> None:
-        """Give a deleted or truncated segment its full layout again so writes can use it;
-        records that were in it are gone (their reads fail and unpublish them)."""
+        """Give a deleted, missing or truncated segment its full layout again so writes can use
+        it; records that were lost with it fail to read (and leave the index)."""
         logger.warning("%s; laying it out again for new records", reason)
         self._forget(seg)
         slot_stride, nslots = self._segment_shape(seg)
+        full = segment_file_bytes(slot_stride, nslots)
         try:
             fd = create_file(self._dir_fd, segment_name(seg), self._file(seg), self._modes)
-            self._lay_out(fd, seg, slot_stride, nslots)
         except FileExistsError:
             fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg))
-            if os.fstat(fd).st_size < segment_file_bytes(slot_stride, nslots):
-                os.ftruncate(fd, segment_file_bytes(slot_stride, nslots))
+        try:
+            if os.fstat(fd).st_size < full:
+                os.ftruncate(fd, full)
             os.pwrite(fd, pack_superblock(seg, slot_stride, nslots), 0)
             os.fsync(fd)
-        os.close(fd)
+        finally:
+            os.close(fd)
         os.fsync(self._dir_fd)
 
-    def _usable(self, seg: int, for_write: bool) -> Optional[str]:
-        """None if ``seg`` can be used, else why not (for a write, a deleted, missing or
-        truncated file is laid out again first)."""
+    def _usable(self, seg: int, for_write: bool) -> tuple[Optional[str], int]:
+        """(None, file size) if ``seg`` can be used, else (why not, 0). For a write, a deleted,
+        missing or truncated file is laid out again first."""
         for attempt in range(2):
             try:
-                reason = self._damage(seg)
+                reason, size = self._state(seg)
             except FileNotFoundError:
-                reason = f"segment file {self._file(seg)} is missing"
+                reason, size = f"segment file {self._file(seg)} is missing", 0
             except KeyError as exc:
-                return str(exc)
+                return str(exc), 0
             except OSError as exc:
                 self._forget(seg)
-                return f"segment file {self._file(seg)}: {exc}"
+                return f"segment file {self._file(seg)}: {exc}", 0
+            if reason is None and for_write:
+                slot_stride, nslots = self._segment_shape(seg)
+                if size < segment_file_bytes(slot_stride, nslots):
+                    reason = f"segment file {self._file(seg)} is {size} bytes, short of its layout"
             if reason is None:
-                return None
+                return None, size
             self._forget(seg)
             if not for_write or attempt:
-                return reason
+                return reason, 0
             try:
                 self._repair(seg, reason)
             except OSError as exc:
-                return f"{reason}; laying it out again failed: {exc}"
-        return reason
+                return f"{reason}; laying it out again failed: {exc}", 0
+        return reason, 0
 
     def locate(self, slots: Sequence[SlotRef], length: int, for_write: bool) -> Located:
-        """Descriptor devices and offsets of ``slots``; pages whose segment cannot be used are
-        in ``bad`` (for a write, a damaged segment is laid out again first)."""
+        """Descriptor devices and offsets of ``slots``; pages that cannot be moved are in
+        ``bad``: a deleted or missing segment file, or (reads) a record past the end of a
+        truncated one."""
         count = len(slots)
         segs = np.fromiter((s.seg for s in slots), dtype=np.int64, count=count)
         slot_ids = np.fromiter((s.slot for s in slots), dtype=np.uint64, count=count)
@@ -285,7 +288,7 @@ class SegmentFiles:
         bad: dict[int, str] = {}
         for seg in np.unique(segs).tolist():
             mask = segs == seg
-            reason = self._usable(seg, for_write)
+            reason, size = self._usable(seg, for_write)
             if reason is not None:
                 bad.update((int(i), reason) for i in np.flatnonzero(mask))
                 continue
@@ -294,6 +297,9 @@ class SegmentFiles:
             payload_offs[mask] = (
                 SUPERBLOCK_BYTES + header_table_bytes(nslots) + slot_ids[mask] * slot_stride
             )
+            short = np.flatnonzero(mask & (payload_offs + length > size))
+            reason = f"segment file {self._file(seg)} is cut short at {size} bytes"
+            bad.update((int(i), reason) for i in short)
         header_offs = SUPERBLOCK_BYTES + slot_ids * HEADER_BYTES
         return Located(devs, header_offs.astype(np.uint64), payload_offs, bad)
 

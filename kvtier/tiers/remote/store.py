@@ -84,8 +84,8 @@ the slots after the reuse delay (an aborted write may still land). No retry: the
 decides. ``timeout_s`` is checked between polls; with Linux AIO on buffered files a poll does
 the I/O itself, so a device that hangs inside one I/O holds that poll (``use_uring`` gives
 hard timeouts). ``set_timeout`` changes it for requests already waiting too, and it also bounds
-how long a call waits for another process's index lock. ``close`` waits at most ``timeout_s``
-for calls in flight. ``faults`` (``FaultInjector``) is a seam in this code path: tests make the
+how long a call waits for another process's index lock. ``close`` waits for calls in flight at
+most ``timeout_s`` plus half a second (their bookkeeping after the request). ``faults`` (``FaultInjector``) is a seam in this code path: tests make the
 next requests fail, time out, or pause before publication.
 
 Security: files are created 0600 and directories 0700 (0660 / 0770 with ``shared_group=True``),
@@ -120,6 +120,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -136,7 +137,7 @@ from kvtier.tiers.remote.index import (
     SlotRef,
     make_owner,
 )
-from kvtier.tiers.remote.errors import TransferFailed
+from kvtier.tiers.remote.errors import StoreUnsafe, TransferFailed
 from kvtier.tiers.remote.nixl import BACKENDS, NixlEngine, load_nixl_api
 from kvtier.tiers.remote.paths import (
     Modes,
@@ -150,6 +151,7 @@ from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects, build_descri
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
+CLOSE_GRACE_S = 0.5
 _PARALLEL_CHECKSUM_BYTES = 4 << 20
 _CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
@@ -182,6 +184,12 @@ def _store_directory(location: Union[str, os.PathLike]) -> str:
     raise ValueError(
         f"store location {location!r} has scheme {parsed.scheme!r}; expected file:// or a path"
     )
+
+
+def _log_by_reason(message: str, bad: dict[int, str]) -> None:
+    """One warning per distinct reason, with how many pages it took."""
+    for reason, count in Counter(bad.values()).items():
+        logger.warning(message, count, reason)
 
 
 def check_ids(ids: Sequence[bytes]) -> list[bytes]:
@@ -345,12 +353,14 @@ class RemoteStore:
 
     def set_timeout(self, seconds: float) -> None:
         """Bound every NIXL request (those already waiting too) and every wait for another
-        process's index lock by ``seconds``; ``close`` waits at most this long for calls in
-        flight. A pool shortens it before closing."""
+        process's index lock by ``seconds``; ``close`` waits at most this long (plus
+        ``CLOSE_GRACE_S``) for calls in flight. A pool shortens it before closing; it may be
+        called while ``close`` waits."""
         self._check_timeout(seconds)
         self.timeout_s = seconds
         self._engine.timeout_s = seconds
-        self._index.set_busy_timeout(seconds)
+        with contextlib.suppress(sqlite3.ProgrammingError):  # the index closed meanwhile
+            self._index.set_busy_timeout(seconds)
 
     # ----------------------------------------------------------------- queries
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -427,8 +437,10 @@ class RemoteStore:
             self._release_quietly(slots)
             self._count(write_failures=len(slots))
             return published
-        for i, reason in located.bad.items():
-            logger.warning("remote put of page %d skipped: %s", i, reason)
+        except StoreUnsafe:
+            self._release_quietly(slots)
+            raise
+        _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
         chunks = self._chunks(writable)
         # The first request's seal has nothing to overlap with: it runs now, split across the
@@ -513,10 +525,8 @@ class RemoteStore:
                 located = None
                 failed.extend(wanted)
             if located is not None:
-                for j, reason in located.bad.items():
-                    logger.warning("remote page in segment %d slot %d unreadable: %s",
-                                   locations[wanted[j]].seg, locations[wanted[j]].slot, reason)
-                    failed.append(wanted[j])
+                _log_by_reason("remote get: %d pages unreadable: %s", located.bad)
+                failed.extend(wanted[j] for j in located.bad)
                 readable = [j for j in range(len(wanted)) if j not in located.bad]
                 headers = np.zeros((len(readable), records.HEADER_BYTES), dtype=np.uint8)
                 row = 0
@@ -591,13 +601,14 @@ class RemoteStore:
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Wait up to ``timeout_s`` for calls in flight, write buffered LRU hits, release files
-        and NIXL registrations. New calls raise at once."""
+        """Wait for calls in flight (at most ``timeout_s``, which bounds their NIXL requests,
+        plus ``CLOSE_GRACE_S`` for what a call does after its request), write buffered LRU hits,
+        release files and NIXL registrations. New calls raise at once."""
         with self._calls:
             if self._closed:
                 return
             self._closed = True
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + self.timeout_s + CLOSE_GRACE_S
             while self._in_flight and time.monotonic() < deadline:
                 self._calls.wait(deadline - time.monotonic())
             stuck = self._in_flight
@@ -724,22 +735,25 @@ class RemoteStore:
     ) -> None:
         """Take pages that could not be read, or whose records failed their checks, out of the
         index, unless a writer replaced them meanwhile (a raced read)."""
-        self._count(read_failures=len(unreadable))
-        if not bad:
+        if not unreadable and not bad:
             return
         try:
-            dropped = self._index.drop_current(self._ns_fp, [(key, loc.token) for key, loc in bad])
+            dropped = self._index.drop_current(
+                self._ns_fp, [(key, loc.token) for key, loc in unreadable + bad]
+            )
         except sqlite3.Error as exc:
-            logger.error("could not unpublish %d unreadable remote pages: %r", len(bad), exc)
-            dropped = [False] * len(bad)
-        corrupt = sum(dropped)
-        for (key, loc), ok in zip(bad, dropped):
+            logger.error("could not unpublish %d unreadable remote pages: %r", len(unreadable) + len(bad), exc)
+            dropped = [False] * (len(unreadable) + len(bad))
+        corrupt = sum(dropped[len(unreadable):])
+        for (key, loc), ok in zip(bad, dropped[len(unreadable):]):
             if ok:
                 logger.warning(
                     "remote page %s in segment %d slot %d failed its header/checksum check; dropped",
                     key.hex(), loc.seg, loc.slot,
                 )
-        self._count(corrupt_reads=corrupt, raced_reads=len(bad) - corrupt)
+        self._count(
+            read_failures=len(unreadable), corrupt_reads=corrupt, raced_reads=len(bad) - corrupt
+        )
 
     def _move(self, op: str, local: np.ndarray, remote: np.ndarray) -> None:
         """One NIXL request; registers the local ranges not covered by host registrations for

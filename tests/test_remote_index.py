@@ -1,0 +1,197 @@
+"""RemoteIndex on a real SQLite file: bounded transactions, O(1) counters that stay exact, the
+slot-state invariant, and refusal of an index of another schema."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.index.keys import key_ids
+from kvtier.tiers.remote import StoreVersionMismatch
+from kvtier.tiers.remote.index import (
+    ROWS_PER_TRANSACTION,
+    PublishEntry,
+    RemoteIndex,
+    SlotRef,
+    make_owner,
+)
+from kvtier.tiers.remote.records import namespace_fingerprint
+
+PAGE = 4096
+NS_A = namespace_fingerprint("aa")
+NS_B = namespace_fingerprint("bb")
+
+
+def open_index(tmp_path, owner="test", reuse_delay_s=0.0) -> RemoteIndex:
+    return RemoteIndex(
+        str(tmp_path / "index.sqlite3"), owner=make_owner(owner), reuse_delay_s=reuse_delay_s,
+        reservation_lease_s=600.0, busy_timeout_s=10.0,
+    )
+
+
+def reserve(index, count, capacity=None, high=1.0, low=1.0):
+    return index.reserve(
+        count, length=PAGE, slot_stride=PAGE, slots_per_segment=1000, capacity_bytes=capacity,
+        high_watermark=high, low_watermark=low, create_segment=lambda *a: None,
+    )
+
+
+def fill(index, ns, names):
+    keys = key_ids(names)
+    slots = reserve(index, len(keys)).slots
+    assert index.publish(ns, [PublishEntry(k, s, PAGE, 7, 1) for k, s in zip(keys, slots)]) == [True] * len(keys)
+    return keys
+
+
+class Transactions:
+    """Statements of the index's write connection, grouped by transaction."""
+
+    def __init__(self, index: RemoteIndex):
+        self.groups: list[list[str]] = []
+        index._db.set_trace_callback(self._seen)
+
+    def _seen(self, statement: str) -> None:
+        if statement.startswith("BEGIN"):
+            self.groups.append([])
+        elif self.groups and statement != "COMMIT":
+            self.groups[-1].append(statement)
+
+    def rows(self, prefix: str) -> list[int]:
+        """How many statements starting with ``prefix`` each transaction ran."""
+        return [sum(s.startswith(prefix) for s in group) for group in self.groups]
+
+
+def exact_counts(index: RemoteIndex, ns: bytes) -> dict[str, int]:
+    """The counters, recounted the slow way."""
+    db = index._db
+    pages, used = db.execute("SELECT COUNT(*), COALESCE(SUM(length), 0) FROM pages WHERE ns = ?", (ns,)).fetchone()
+    store_pages, store_used = db.execute("SELECT COUNT(*), COALESCE(SUM(length), 0) FROM pages").fetchone()
+    return {
+        "pages": pages, "used_bytes": used, "store_pages": store_pages, "store_used_bytes": store_used,
+        "reserved_slots": db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0],
+        "free_slots": db.execute("SELECT COUNT(*) FROM free_slots").fetchone()[0],
+        "segments": db.execute("SELECT COUNT(*) FROM segments").fetchone()[0],
+    }
+
+
+def test_a_large_eviction_runs_in_bounded_transactions(tmp_path):
+    index = open_index(tmp_path)
+    fill(index, NS_A, [f"a{i}" for i in range(700)])
+    trace = Transactions(index)
+    result = reserve(index, 1, capacity=800 * PAGE, high=0.8, low=0.5)  # 701 > 640: down to 399
+    assert result.evicted == 700 - 399 and len(result.slots) == 1
+    per_transaction = [n for n in trace.rows("DELETE FROM pages") if n]
+    assert sum(per_transaction) == 301
+    assert len(per_transaction) == -(-301 // ROWS_PER_TRANSACTION)
+    assert max(per_transaction) <= ROWS_PER_TRANSACTION
+    assert index.stats(NS_A)["pages"] == 399
+
+
+@pytest.mark.parametrize("operation", ["publish", "delete", "clear", "flush_touches", "release"])
+def test_every_batch_operation_touches_a_bounded_number_of_rows_per_transaction(tmp_path, operation):
+    index = open_index(tmp_path)
+    names = [f"k{i}" for i in range(3 * ROWS_PER_TRANSACTION + 5)]
+    if operation == "publish":
+        keys = key_ids(names)
+        slots = reserve(index, len(keys)).slots
+        trace = Transactions(index)
+        index.publish(NS_A, [PublishEntry(k, s, PAGE, 7, 1) for k, s in zip(keys, slots)])
+        counted = trace.rows("INSERT INTO pages")
+    elif operation == "release":
+        trace = Transactions(index)
+        slots = reserve(index, len(names)).slots
+        index.release(slots)
+        counted = trace.rows("INSERT INTO free_slots")
+        assert max(trace.rows("INSERT INTO reservations")) <= ROWS_PER_TRANSACTION
+    else:
+        keys = fill(index, NS_A, names)
+        trace = Transactions(index)
+        if operation == "delete":
+            assert index.delete(NS_A, keys) == [True] * len(keys)
+        elif operation == "clear":
+            assert index.clear(NS_A) == len(keys)
+        else:
+            index.touch(NS_A, keys)
+            index.flush_touches()
+        counted = trace.rows("UPDATE pages" if operation == "flush_touches" else "DELETE FROM pages")
+    assert sum(counted) == len(names)
+    assert max(counted) <= ROWS_PER_TRANSACTION
+    assert exact_counts(index, NS_A) == index.stats(NS_A)
+
+
+def test_stats_read_counters_only_and_they_stay_exact(tmp_path):
+    index = open_index(tmp_path)
+    a = fill(index, NS_A, [f"a{i}" for i in range(300)])
+    b = fill(index, NS_B, [f"b{i}" for i in range(200)])
+    index.delete(NS_A, a[:50])
+    index.publish(NS_B, [PublishEntry(b[0], reserve(index, 1).slots[0], PAGE, 9, 2)])  # overwrite
+    assert index.drop_current(NS_B, [(b[1], 1), (b[2], 99)]) == [True, False]
+    reserve(index, 40, capacity=500 * PAGE, high=0.9, low=0.6)  # evicts across namespaces
+    dead = open_index(tmp_path, owner="dead")
+    dead.reserve(
+        5, length=PAGE, slot_stride=PAGE, slots_per_segment=1000, capacity_bytes=None,
+        high_watermark=1.0, low_watermark=1.0, create_segment=lambda *a: None,
+    )
+    dead.owner = dead.owner.replace(f"|{os.getpid()}|", "|999999999|")  # its writer is gone
+    with index._transaction() as db:
+        db.execute("UPDATE reservations SET owner = ? WHERE owner LIKE '%|dead'", (dead.owner,))
+    assert index.reclaim() == 5
+    index.clear(NS_A)
+    seen: list[str] = []
+    index._reader.set_trace_callback(seen.append)
+    for ns in (NS_A, NS_B):
+        assert index.stats(ns) == exact_counts(index, ns)
+    assert seen and not any("FROM pages" in s for s in seen), seen
+    s = index.stats(NS_B)
+    assert s["store_pages"] == s["pages"] > 0
+    dead.close()
+    index.close()
+
+
+def test_an_index_of_another_schema_is_refused_with_the_path_and_what_to_do(tmp_path):
+    path = tmp_path / "index.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+    db.execute("INSERT INTO meta VALUES ('schema_version', 1)")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreVersionMismatch) as raised:
+        open_index(tmp_path)
+    message = str(raised.value)
+    assert str(path) in message and "schema 1" in message and "schema 2" in message
+    assert "Move or delete" in message
+
+
+def test_an_old_store_is_refused_by_remote_store_too(tmp_path):
+    pytest.importorskip("nixl_cu13")
+    from kvtier.tiers.remote import RemoteStore
+
+    test_an_index_of_another_schema_is_refused_with_the_path_and_what_to_do(tmp_path)
+    with pytest.raises(StoreVersionMismatch, match=str(tmp_path)):
+        RemoteStore(tmp_path, namespace="ab", page_bytes=PAGE)
+    # Nothing was created or changed by the refused open.
+    assert sorted(os.listdir(tmp_path)) == ["index.sqlite3"]
+
+
+def test_reservations_of_a_killed_process_are_reclaimed(tmp_path):
+    code = (
+        "import sys, os\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from tests.test_remote_index import open_index, reserve\n"
+        "import pathlib\n"
+        "index = open_index(pathlib.Path(sys.argv[1]), owner='child')\n"
+        "reserve(index, 7)\n"
+        "os._exit(0)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code, str(tmp_path), repo], check=True)
+    index = open_index(tmp_path)
+    assert index.stats(NS_A)["reserved_slots"] == 7
+    assert index.reclaim() == 7
+    assert index.stats(NS_A) == exact_counts(index, NS_A)
+    assert exact_counts(index, NS_A)["free_slots"] == 7
+    assert reserve(index, 7).slots == [SlotRef(1, i) for i in range(7)]  # reused, no new slots
