@@ -26,9 +26,10 @@ Facts it relies on, read from sglang 0.5.23 (paths under ``sglang/srt/``):
   kvtier stores the pieces of a page, in that order, as one record.
 - Only the storage writer writes (``HiCacheStorageConfig.is_storage_writer``: for MLA one rank
   per DCP shard, ``mem_cache/hicache_storage.py:69``); other ranks' writes return True.
-- A host pool without a ``kv_buffer`` is a logical anchor (DeepSeek V4): its reads and writes are
+- A KV anchor without a ``kv_buffer`` is a logical pool (DeepSeek V4): its reads and writes are
   all True and its data travels in v2 pools, as SGLang's Mooncake backend does
-  (``mem_cache/storage/mooncake_store/mooncake_store.py:1390``).
+  (``mem_cache/storage/mooncake_store/mooncake_store.py:1390``). Any other pool without one, or
+  without MHA/MLA geometry (Mamba state, indexers), is refused when it is registered.
 - Extra host pools (a standalone EAGLE/EAGLE3 draft is ``PoolName.DRAFT``) arrive through
   ``register_mem_host_pool_v2`` and move through ``batch_exists_v2`` / ``batch_get_v2`` /
   ``batch_set_v2`` (``mem_cache/hybrid_cache/hybrid_cache_controller.py:356,1438,1651,1711``).
