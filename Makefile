@@ -31,3 +31,31 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# SGLang harness: its own virtualenv under build/ with sglang 0.5.23's wheel unpacked onto the
+# path through a .pth file (the wheel pins a CUDA torch 2.14.1; the pure-Python host pools,
+# storage factory and plugin loader run on the CPU torch) and a torchvision import stub
+# (tests/sglang/harness). Pinned packages: requirements/sglang-harness.txt.
+SGLANG_VERSION := 0.5.23
+SGLANG_HARNESS ?= build/sglang-harness
+SGLANG_PY := $(SGLANG_HARNESS)/venv/bin/python
+SGLANG_STAMP := $(SGLANG_HARNESS)/.installed
+
+.PHONY: test-sglang
+
+$(SGLANG_STAMP): requirements/sglang-harness.txt pyproject.toml Makefile
+	rm -rf $(SGLANG_HARNESS)
+	python3 -m venv $(SGLANG_HARNESS)/venv
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q "torch==2.13.0+cpu"
+	$(SGLANG_PY) -m pip install -q --no-deps nixl-cu13==1.5.1
+	$(SGLANG_PY) -m pip install -q -r requirements/sglang-harness.txt
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	$(SGLANG_PY) -m pip download -q --no-deps --only-binary=:all: -d $(SGLANG_HARNESS)/wheel sglang==$(SGLANG_VERSION)
+	$(SGLANG_PY) -m zipfile -e $(SGLANG_HARNESS)/wheel/sglang-$(SGLANG_VERSION)-*.whl $(SGLANG_HARNESS)/sglang
+	$(SGLANG_PY) -c "import site, sys; open(site.getsitepackages()[0] + '/kvtier-sglang-harness.pth', 'w').write('\n'.join(sys.argv[1:]) + '\n')" \
+		$(abspath $(SGLANG_HARNESS)/sglang) $(abspath tests/sglang/harness)
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	KVTIER_REQUIRE_SGLANG=1 $(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang

@@ -3,8 +3,10 @@
 For each page size the same bytes go through two paths in the same directory:
 - raw: a plain Python writer, one ``os.write`` per page into a fresh file and an ``fsync`` per
   batch; reads with one ``os.preadv`` per page;
-- store: ``RemoteStore.put`` / ``get`` in batches of the same size (one NIXL request per batch,
-  crc32 per page, ``fdatasync`` and an index commit per put batch; crc32-verified on read).
+- store: ``RemoteStore.put_ids`` / ``get_ids`` in batches of the same size (NIXL requests of
+  ``--pipeline-mib``, CRC32C per page, ``fdatasync`` and index commits per put batch; header and
+  CRC32C checked on read; with ``--mac`` also a keyed BLAKE2b-128 MAC per page, written and
+  checked).
 
 Reads are measured twice. "cold": after ``posix_fadvise(DONTNEED)`` on every file of both paths
 (records are clean after fsync, so the kernel drops them and reads come from the device; a global
@@ -38,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a source checkout too
 
+from kvtier.index.keys import key_ids  # noqa: E402
 from kvtier.tiers.remote import RemoteStore, load_nixl_api  # noqa: E402
 
 try:
@@ -128,12 +131,13 @@ class StorePath:
             segment_bytes=args.segment_mib << 20,
             checksum_threads=args.checksum_threads,
             pipeline_bytes=args.pipeline_mib << 20,
+            mac_key=os.urandom(32) if args.mac else None,
         )
         self.store.register_host_memory(source)
         self.store.register_host_memory(dest)
         self.source_pages = list(source[: count * page_bytes].view(count, page_bytes))
         self.dest_pages = list(dest[: count * page_bytes].view(count, page_bytes))
-        self.keys = [f"page-{i}" for i in range(count)]
+        self.ids = key_ids(f"page-{i}" for i in range(count))
         self.directory = directory
         self.stats = None
 
@@ -143,15 +147,15 @@ class StorePath:
 
     def write(self, groups: list[range], label: str) -> None:
         for group in progress(groups, f"{label} store write"):
-            ok = self.store.put([self.keys[i] for i in group],
-                                [self.source_pages[i] for i in group])
+            ok = self.store.put_ids([self.ids[i] for i in group],
+                                    [self.source_pages[i] for i in group])
             if not all(ok):
                 raise RuntimeError(f"store put failed for {ok.count(False)} pages")
 
     def read(self, groups: list[range], label: str) -> None:
         for group in progress(groups, f"{label} store read"):
-            ok = self.store.get([self.keys[i] for i in group],
-                                [self.dest_pages[i] for i in group])
+            ok = self.store.get_ids([self.ids[i] for i in group],
+                                    [self.dest_pages[i] for i in group])
             if not all(ok):
                 raise RuntimeError(f"store get missed {ok.count(False)} pages")
 
@@ -256,6 +260,8 @@ def main(argv=None) -> None:
                         help="measure cold reads on the first read of freshly written files")
     parser.add_argument("--posix-queue", choices=["default", "aio", "uring", "posix_aio"],
                         default="default", help="NIXL POSIX backend I/O queue")
+    parser.add_argument("--mac", action="store_true",
+                        help="give the store a mac_key: every record carries a keyed BLAKE2b MAC")
     parser.add_argument("--json", help="write results to this JSON file")
     args = parser.parse_args(argv)
     args.backend_params = (

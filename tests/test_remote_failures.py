@@ -6,6 +6,8 @@ Every failure is a counted miss that leaves the index at once, and nothing else 
 from __future__ import annotations
 
 import os
+import sqlite3
+import threading
 import time
 
 import pytest
@@ -159,3 +161,40 @@ def test_a_read_racing_slot_reuse_is_a_miss_not_corruption(open_store, monkeypat
     assert (s["raced_reads"], s["corrupt_reads"]) == (1, 0)
     out = poisoned(1)
     assert reader.get(["k"], out) == [True] and torch.equal(out[0], v2)
+
+
+@pytest.mark.timeout(120)  # a watchdog: without set_timeout the request below waits an hour
+def test_set_timeout_shortens_a_hung_request_and_close_waits_for_it(open_store):
+    store = open_store(timeout_s=3600.0)
+    data = random_pages(2, seed=51)
+    assert all(store.put(["a", "b"], data))
+    posted = threading.Event()
+    store.faults.arm("timeout", op="READ")  # the request is posted and never reported done
+    store.faults.mid_request = lambda op: posted.set()
+    results = []
+    reader = threading.Thread(target=lambda: results.append(store.get(["a", "b"], poisoned(2))))
+    reader.start()
+    posted.wait()
+    store.set_timeout(0.2)
+    store.close()
+    assert results == [[False, False]]  # close returned only after the call in flight ended
+    reader.join()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get(["a"], poisoned(1))
+    with pytest.raises(ValueError, match="timeout_s 0; expected a number of seconds > 0"):
+        store.set_timeout(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_held_index_lock_fails_a_put_within_the_store_timeout(open_store):
+    store = open_store(timeout_s=0.2)
+    other = sqlite3.connect(os.path.join(store.directory, "index.sqlite3"), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds SQLite's write lock
+    try:
+        assert store.put(["a"], random_pages(1, seed=52)) == [False]
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    s = store.stats()
+    assert (s["write_failures"], s["reserved_slots"], s["pages"]) == (1, 0, 0)
+    assert store.put(["a"], random_pages(1, seed=52)) == [True]

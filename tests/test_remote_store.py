@@ -510,3 +510,44 @@ def test_bad_arguments_name_the_value_and_the_expectation(open_store, tmp_path):
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.contains(["k"])
+
+
+def test_default_capacity_is_half_the_free_space_plus_what_the_store_holds(open_store, tmp_path, monkeypatch, caplog):
+    import kvtier.tiers.remote.store as store_module
+
+    first = open_store(capacity_bytes=100 * PAGE)
+    assert all(first.put(["a", "b", "c"], random_pages(3, seed=27)))
+    assert first.capacity_bytes == first.stats()["capacity_bytes"] == 100 * PAGE
+    first.close()
+    free_blocks = 1000
+    real = os.statvfs(tmp_path)
+    fake = os.statvfs_result(tuple(real)[:4] + (free_blocks,) + tuple(real)[5:])
+    monkeypatch.setattr(store_module.os, "statvfs", lambda path: fake if str(path) == first.directory else real)
+    with caplog.at_level("INFO", logger="kvtier.tiers.remote"):
+        again = open_store()
+    expected = free_blocks * fake.f_frsize // 2 + 3 * PAGE
+    assert again.capacity_bytes == again.stats()["capacity_bytes"] == expected
+    logged = [r.getMessage() for r in caplog.records if "capacity_bytes not given" in r.getMessage()]
+    assert len(logged) == 1 and first.directory in logged[0] and "50%" in logged[0]
+
+
+@pytest.mark.parametrize("level, loud", [(None, False), ("INFO", True)])
+def test_opening_a_store_prints_nothing_unless_nixl_log_level_asks(tmp_path, level, loud):
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    if level is not None:
+        env["NIXL_LOG_LEVEL"] = level
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    code = (
+        "import sys\n"
+        "from kvtier.tiers.remote import RemoteStore\n"
+        "RemoteStore(sys.argv[1], namespace='ab', page_bytes=4096).close()\n"
+        "print('opened')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "opened"
+    if loud:
+        assert "NIXL INFO" in done.stdout + done.stderr
+    else:
+        assert (done.stdout, done.stderr) == ("opened\n", "")

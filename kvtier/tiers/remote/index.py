@@ -500,6 +500,31 @@ class RemoteIndex:
         """
         self.flush_touches()
         slots: list[SlotRef] = []
+        try:
+            evicted = self._reserve(
+                count, slots, length, slot_stride, slots_per_segment, capacity_bytes,
+                high_watermark, low_watermark, create_segment,
+            )
+        except BaseException:
+            if slots:  # committed by earlier transactions of this call: give them back
+                self.release(slots)
+            raise
+        return Reservation(slots, evicted)
+
+    def _reserve(
+        self,
+        count: int,
+        slots: list[SlotRef],
+        length: int,
+        slot_stride: int,
+        slots_per_segment: int,
+        capacity_bytes: Optional[int],
+        high_watermark: float,
+        low_watermark: float,
+        create_segment: Callable[[int, int, int], None],
+    ) -> int:
+        """``reserve``'s loop: appends to ``slots`` as each transaction commits; returns how
+        many pages it evicted."""
         evicted = 0
         evicting = exhausted = False
         while len(slots) < count:
@@ -533,7 +558,7 @@ class RemoteIndex:
                     [(s.seg, s.slot, length, self.owner, now) for s in new],
                 )
                 slots.extend(new)
-        return Reservation(slots, evicted)
+        return evicted
 
     def _evict_some(self, db: sqlite3.Connection, excess: float, now: float) -> int:
         """Evict least recently used pages, up to ``ROWS_PER_TRANSACTION``, until ``excess``
@@ -728,16 +753,15 @@ class RemoteIndex:
         self, seg: int, slot_stride: int, nslots: int, records: Sequence[tuple]
     ) -> None:
         """Add segment ``seg`` to an empty index with ``records`` published, given as (ns, key,
-        slot, length, crc, token) in LRU order (oldest first); every other slot is free. Used
-        by ``tool.rebuild_index`` while it holds the store exclusively."""
+        slot, length, crc, token, last_access); every other slot is free. Used by
+        ``tool.rebuild_index`` while it holds the store exclusively."""
         now = time.time()
         with self._transaction() as db:
             db.execute("INSERT INTO segments VALUES (?, ?, ?, ?)", (seg, slot_stride, nslots, nslots))
-            first = self._tick(db, len(records))
             db.executemany(
                 "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(ns, key, seg, slot, length, crc, token, first + n)
-                 for n, (ns, key, slot, length, crc, token) in enumerate(records)],
+                [(ns, key, seg, slot, length, crc, token, last_access)
+                 for ns, key, slot, length, crc, token, last_access in records],
             )
             used = {r[2] for r in records}
             db.executemany(
@@ -745,6 +769,10 @@ class RemoteIndex:
                 [(seg, slot, slot_stride, now) for slot in range(nslots) if slot not in used],
             )
             self._count_pages(db, ((r[0], r[3]) for r in records), 1)
+            db.execute(
+                "UPDATE meta SET value = MAX(value, ?) WHERE name = 'clock'",
+                (max((r[6] for r in records), default=0),),
+            )
 
     def close(self) -> None:
         """Write buffered hits and close the connections."""

@@ -298,11 +298,8 @@ class SegmentFiles:
                 SUPERBLOCK_BYTES + header_table_bytes(nslots) + slot_ids[mask] * slot_stride
             )
             short = np.flatnonzero(mask & (payload_offs + length > size))
-            bad.update(
-                (int(i), f"segment file {self._file(seg)} is {size} bytes; the record of slot "
-                         f"{int(slot_ids[i])} ends at {int(payload_offs[i]) + length}")
-                for i in short
-            )
+            reason = f"segment file {self._file(seg)} is cut short at {size} bytes"
+            bad.update((int(i), reason) for i in short)
         header_offs = SUPERBLOCK_BYTES + slot_ids * HEADER_BYTES
         return Located(devs, header_offs.astype(np.uint64), payload_offs, bad)
 

@@ -84,8 +84,8 @@ the slots after the reuse delay (an aborted write may still land). No retry: the
 decides. ``timeout_s`` is checked between polls; with Linux AIO on buffered files a poll does
 the I/O itself, so a device that hangs inside one I/O holds that poll (``use_uring`` gives
 hard timeouts). ``set_timeout`` changes it for requests already waiting too, and it also bounds
-how long a call waits for another process's index lock. ``close`` waits at most ``timeout_s``
-for calls in flight. ``faults`` (``FaultInjector``) is a seam in this code path: tests make the
+how long a call waits for another process's index lock. ``close`` waits for calls in flight at
+most ``timeout_s`` plus half a second (their bookkeeping after the request). ``faults`` (``FaultInjector``) is a seam in this code path: tests make the
 next requests fail, time out, or pause before publication.
 
 Security: files are created 0600 and directories 0700 (0660 / 0770 with ``shared_group=True``),
@@ -137,7 +137,7 @@ from kvtier.tiers.remote.index import (
     SlotRef,
     make_owner,
 )
-from kvtier.tiers.remote.errors import TransferFailed
+from kvtier.tiers.remote.errors import StoreUnsafe, TransferFailed
 from kvtier.tiers.remote.nixl import BACKENDS, NixlEngine, load_nixl_api
 from kvtier.tiers.remote.paths import (
     Modes,
@@ -151,6 +151,7 @@ from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects, build_descri
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
+CLOSE_GRACE_S = 0.5
 _PARALLEL_CHECKSUM_BYTES = 4 << 20
 _CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
@@ -352,12 +353,14 @@ class RemoteStore:
 
     def set_timeout(self, seconds: float) -> None:
         """Bound every NIXL request (those already waiting too) and every wait for another
-        process's index lock by ``seconds``; ``close`` waits at most this long for calls in
-        flight. A pool shortens it before closing."""
+        process's index lock by ``seconds``; ``close`` waits at most this long (plus
+        ``CLOSE_GRACE_S``) for calls in flight. A pool shortens it before closing; it may be
+        called while ``close`` waits."""
         self._check_timeout(seconds)
         self.timeout_s = seconds
         self._engine.timeout_s = seconds
-        self._index.set_busy_timeout(seconds)
+        with contextlib.suppress(sqlite3.ProgrammingError):  # the index closed meanwhile
+            self._index.set_busy_timeout(seconds)
 
     # ----------------------------------------------------------------- queries
     def contains(self, keys: Sequence[Key]) -> list[bool]:
@@ -434,6 +437,9 @@ class RemoteStore:
             self._release_quietly(slots)
             self._count(write_failures=len(slots))
             return published
+        except StoreUnsafe:
+            self._release_quietly(slots)
+            raise
         _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
         chunks = self._chunks(writable)
@@ -595,13 +601,14 @@ class RemoteStore:
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Wait up to ``timeout_s`` for calls in flight, write buffered LRU hits, release files
-        and NIXL registrations. New calls raise at once."""
+        """Wait for calls in flight (at most ``timeout_s``, which bounds their NIXL requests,
+        plus ``CLOSE_GRACE_S`` for what a call does after its request), write buffered LRU hits,
+        release files and NIXL registrations. New calls raise at once."""
         with self._calls:
             if self._closed:
                 return
             self._closed = True
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + self.timeout_s + CLOSE_GRACE_S
             while self._in_flight and time.monotonic() < deadline:
                 self._calls.wait(deadline - time.monotonic())
             stuck = self._in_flight
