@@ -208,11 +208,13 @@ template <bool E4M3, bool OUT_BF16, int VEC>
 __device__ __forceinline__ void upcast_pages_body(const UpcastArgs& a) {
     const long long per_layer = a.signal.chunks_per_layer;
     const long long total = per_layer * a.signal.num_layers;
+    LayerSignal<false> signal(a.signal);
     for (long long chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
         const long long row = chunk / per_layer;
+        signal.visit(row);
         upcast_chunk<E4M3, OUT_BF16, VEC>(a, a.first_layer + row, (chunk - row * per_layer) * KVTIER_CONVERT_CHUNK);
-        chunk_landed<false>(a.signal, row);
     }
+    signal.close();
 }
 
 // ---- offload: bf16/fp16 -> amax -> fp8 + scales ---------------------------------------
@@ -330,11 +332,13 @@ __device__ __forceinline__ void quantize_pages_body(const QuantizeArgs& a) {
     const long long per_layer = a.signal.chunks_per_layer;
     const long long total = per_layer * a.signal.num_layers;
     const long long groups_per_chunk = KVTIER_THREADS / a.team_size;
+    LayerSignal<true> signal(a.signal);
     for (long long chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
         const long long row = chunk / per_layer;
+        signal.visit(row);
         quantize_chunk<IN_BF16, E4M3, VEC>(a, a.first_layer + row, (chunk - row * per_layer) * groups_per_chunk);
-        chunk_landed<true>(a.signal, row);
     }
+    signal.close();
 }
 
 #define KVTIER_UPCAST_KERNEL(NAME, E4M3, OUT_BF16, VEC)                                         \

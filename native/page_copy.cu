@@ -103,17 +103,19 @@ template <int DIRECTION, typename Word>
 __device__ __forceinline__ void copy_pages_body(const CopyArgs& a) {
     const long long per_layer = a.signal.chunks_per_layer;
     const long long total = per_layer * a.signal.num_layers;
+    LayerSignal<DIRECTION == KVTIER_OFFLOAD> signal(a.signal);
     for (long long chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
         const long long row = chunk / per_layer;
         const long long in_layer = chunk - row * per_layer;
         const long long layer = a.first_layer + row;
+        signal.visit(row);
         if (in_layer < a.data_chunks) {
             copy_chunk<DIRECTION, Word, false>(a, layer, in_layer * KVTIER_COPY_CHUNK);
         } else {
             copy_chunk<DIRECTION, unsigned int, true>(a, layer, (in_layer - a.data_chunks) * KVTIER_COPY_CHUNK);
         }
-        chunk_landed<DIRECTION == KVTIER_OFFLOAD>(a.signal, row);
     }
+    signal.close();
 }
 
 #define KVTIER_COPY_KERNEL(NAME, DIRECTION, WORD)                                               \

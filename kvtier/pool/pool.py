@@ -155,7 +155,7 @@ class TieredPool:
         device_pages = self.device_tier.num_pages
         self.host_tier = HostTier(fmt, host_pages)
         self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
-        self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages))
+        self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages), compact_keys=False)
         self._host = TierIndex("host", host_pages, make_policy(eviction, host_pages))
         self.close_timeout_s = close_timeout_s
         self._lock = threading.Lock()
