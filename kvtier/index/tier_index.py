@@ -79,19 +79,17 @@ class TierIndex:
         One loop for the whole batch: this is the pool's hot path. Moving to FREE forgets the
         key and returns the slot to the free list.
         """
-        state, counts, pins, busy = self.state, self.counts, self.pins, self.busy
-        legal = _LEGAL_TO[new]
-        policy = self.policy
-        evictable = _EVICTABLE[new]
-        was_evictable = _EVICTABLE
-        dirty = self.dirty
+        if not slots:
+            return
+        state, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
+        legal, evictable, was_evictable = _LEGAL_TO[new], _EVICTABLE[new], _EVICTABLE
         into_dirty = new == _DIRTY
         count = 0
         # Three loops, one per kind of change, each as short as it can be: this loop runs for
         # every page of every call. A slot is in the eviction order exactly when its state is
         # evictable and it is neither pinned nor busy.
         if new == _FREE:
-            unbind, hits, free, remove = self.table.unbind, self.hits, self.free, policy.remove
+            unbind, hits, free, remove = self.table.unbind, self.hits, self.free, self.policy.remove
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -111,7 +109,7 @@ class TierIndex:
                 free.append(slot)
                 count += 1
         elif not busy_delta:
-            add, remove = policy.add, policy.remove
+            add, remove = self.policy.add, self.policy.remove
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -129,7 +127,7 @@ class TierIndex:
                     else:
                         remove(slot)
         else:
-            add, remove = policy.add, policy.remove
+            add, remove = self.policy.add, self.policy.remove
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
