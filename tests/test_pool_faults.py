@@ -261,3 +261,70 @@ def test_flush_counts_a_refused_page_as_not_durable(tmp_path, gen):
     pool.release(slots)
     assert pool.stats()["states"]["device"]["filling"] == 0
     pool.close()
+
+
+def figures(root, batches: int = 150) -> dict:
+    """Run the degraded-remote scenario for every fault kind and write policy and count what
+    happened (`python tests/test_pool_faults.py` prints these for RELIABILITY.md)."""
+    import tempfile
+
+    import torch
+
+    totals = {"runs": 0, "batches": 0, "calls_raised": 0, "pages_verified": 0, "wrong_pages": 0,
+              "remote_pages_verified": 0, "dropped_remote_unavailable": 0, "write_failures": 0,
+              "breaker_opened": 0, "recovered": 0}
+    for policy in ("write_through", "write_back"):
+        for fault in ("error", "enospc", "error_after_io"):
+            gen = torch.Generator().manual_seed(len(policy) * 7 + len(fault))
+            with tempfile.TemporaryDirectory(dir=root) as store:
+                pool = TieredPool(small_format(), device_pages=8, host_pages=16, write_policy=policy, model="m",
+                                  registry=CollectorRegistry(), remote=store)
+                stored = prefix_keys(np.arange(8 * 16), 8, pool.namespace)
+                stored_truth = {}
+                for i in range(0, 16, 4):
+                    stored_truth.update(write(pool, stored[i : i + 4], gen))
+                pool.flush()
+                pool.evict(tier="device")
+                pool.evict(tier="host")
+                pool.remote.faults.arm(fault, count=10**6, op="WRITE")
+                truth = {}
+                for batch in range(batches):
+                    keys = prefix_keys(np.arange(10_000 + 32 * batch, 10_000 + 32 * batch + 32), 8, pool.namespace)
+                    try:
+                        truth.update(write(pool, keys, gen))
+                        cached = [k for k in keys if pool.match([k]).total]
+                        got = read_back(pool, cached) if cached else {}
+                    except Exception:  # counted: the figure must be 0
+                        totals["calls_raised"] += 1
+                        continue
+                    totals["pages_verified"] += len(got)
+                    totals["wrong_pages"] += sum(got[k] != truth[k] for k in got)
+                for i in (0, 8):
+                    got = read_back(pool, stored[i : i + 8])
+                    totals["remote_pages_verified"] += len(got)
+                    totals["wrong_pages"] += sum(got[k] != stored_truth[k] for k in got)
+                s = pool.stats()
+                totals["dropped_remote_unavailable"] += s["dropped"].get("remote_unavailable", 0)
+                totals["write_failures"] += s["remote_failures"].get("write", 0)
+                totals["breaker_opened"] += s["remote_breaker_opened"]
+                pool.remote.faults.disarm()
+                write(pool, prefix_keys(np.arange(90_000, 90_032), 8, pool.namespace), gen)
+                totals["recovered"] += pool.flush() == 0 and pool.stats()["remote_breaker"] == "closed"
+                pool.close()
+                totals["runs"] += 1
+                totals["batches"] += batches
+    return totals
+
+
+if __name__ == "__main__":
+    import json
+    import platform
+    import sys
+    import tempfile
+
+    started = time.time()
+    result = figures(tempfile.gettempdir(), batches=int(sys.argv[1]) if len(sys.argv) > 1 else 150)
+    result["seconds"] = round(time.time() - started, 1)
+    result["date"] = time.strftime("%Y-%m-%d")
+    result["python"] = platform.python_version()
+    print(json.dumps(result, indent=2))
