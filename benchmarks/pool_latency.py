@@ -73,8 +73,9 @@ def fill(pool: TieredPool, slots: list[int], seed: int) -> None:
                     torch.rand((len(slots), *scales.shape[1:]), generator=gen) + 0.05).to(scales.device)
 
 
-def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: float, large: int) -> list[dict]:
+def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: float, large_bytes: int) -> list[dict]:
     fmt = PageFormat(**spec)
+    large = max(17, large_bytes // fmt.page_bytes)
     rows = []
     pages = 2 * max(16, large) + 8
     pool = TieredPool(fmt, device=device, device_pages=pages, host_pages=pages, write_policy="write_through",
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (default) or cpu")
     ap.add_argument("--repeats", type=int, default=30, help="timed calls per point (median)")
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated formats of: " + ", ".join(FORMATS))
-    ap.add_argument("--large", type=int, default=32, help="pages of the large-load point (default 32)")
+    ap.add_argument("--large-mib", type=int, default=256, help="MiB moved by the large-load point (default 256)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pool call latency, {meta}")
     rows = []
     for name in args.formats.split(","):
-        rows += measure(name, FORMATS[name], device, args.repeats, pcie, args.large)
+        rows += measure(name, FORMATS[name], device, args.repeats, pcie, args.large_mib << 20)
     print(f"{'format':<20}{'pages':>6}{'PCIe µs':>10}{'load ret µs':>13}{'load done µs':>14}{'commit µs':>11}"
           f"{'GB/s':>8}{'x PCIe':>8}  path")
     for r in rows:
