@@ -68,6 +68,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
@@ -79,7 +80,7 @@ SCHEMA_VERSION = 2
 TOUCH_FLUSH_PAGES = 4096
 TOUCH_FLUSH_S = 1.0
 RECLAIM_INTERVAL_S = 30.0
-ROWS_PER_TRANSACTION = 64
+ROWS_PER_TRANSACTION = 256
 STEP_ROWS = 16
 CACHE_KIB = 64 << 10
 TRANSACTION_BUDGET_S = 0.002
@@ -238,7 +239,8 @@ class RemoteIndex:
         self._pending_touches: list[tuple[bytes, bytes]] = []
         self._oldest_touch = 0.0
         self._last_reclaim = 0.0
-        self._checkpoint_lock = threading.Lock()
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-index")
+        self._checkpoint_pending = False
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         self._db = self._reader = self._checkpointer = None
@@ -273,6 +275,7 @@ class RemoteIndex:
         return db
 
     def _close_connections(self) -> None:
+        self._background.shutdown(wait=True)
         for db in (self._db, self._reader, self._checkpointer):
             if db is not None:
                 db.close()
@@ -328,30 +331,40 @@ class RemoteIndex:
                 self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - start)
                 self.longest_hold_cpu_s = max(self.longest_hold_cpu_s, time.thread_time() - cpu)
             self._since_checkpoint += 1
-            due = (
+            if not self._checkpoint_pending and (
                 self._since_checkpoint >= CHECKPOINT_EVERY_TRANSACTIONS
                 or start - self._last_checkpoint >= CHECKPOINT_EVERY_S
-            )
-        if due:
-            self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        """Copy the WAL into the database on a connection of its own. SQLite's automatic
-        checkpoint runs inside the COMMIT that crosses 1,000 WAL pages, with two fsyncs, under
-        this index's lock: measured here it held the lock for 0.3-1 s (the longest hold of a
-        4,096-page publish went from 1,038 ms to 5 ms without it). A PASSIVE checkpoint waits for
-        no reader or writer; one thread checkpoints at a time, the others skip."""
-        if not self._checkpoint_lock.acquire(blocking=False):
-            return
-        try:
-            with self._lock:
+            ):
+                self._checkpoint_pending = True
                 self._since_checkpoint = 0
                 self._last_checkpoint = time.monotonic()
+                self._background.submit(self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database, on the index's background thread and a connection of
+        its own. SQLite's automatic checkpoint runs inside the COMMIT that crosses 1,000 WAL
+        pages, with two fsyncs, under this index's lock: measured here it held the lock for
+        0.3-1 s (the longest hold of a 4,096-page publish went from 1,038 ms to 5 ms without it);
+        run on the caller's thread, its fsyncs slowed the reads waiting behind it. A PASSIVE
+        checkpoint waits for no reader or writer."""
+        try:
             self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as exc:
             logger.warning("index checkpoint of %s failed (retried later): %r", self.path, exc)
         finally:
-            self._checkpoint_lock.release()
+            with self._lock:
+                self._checkpoint_pending = False
+
+    def flush_touches_later(self) -> None:
+        """``flush_touches`` on the index's background thread; a failure only delays the hits."""
+
+        def flush() -> None:
+            try:
+                self.flush_touches()
+            except sqlite3.Error as exc:
+                logger.warning("could not record LRU hits in %s yet: %r", self.path, exc)
+
+        self._background.submit(flush)
 
     @staticmethod
     def _meta(db: sqlite3.Connection, name: str) -> int:
@@ -384,8 +397,10 @@ class RemoteIndex:
         self._add_meta(db, "pages", sign * sum(pages.values()))
         self._add_meta(db, "used_bytes", sign * sum(used.values()))
 
-    def _free(self, db: sqlite3.Connection, slots: Iterable[tuple[int, int]], now: float) -> None:
+    def _free(self, db: sqlite3.Connection, slots: Sequence[tuple[int, int]], now: float) -> None:
         """Move slots to the free list; reusable after the reuse delay."""
+        if not slots:
+            return
         db.executemany(
             "INSERT INTO free_slots SELECT ?, ?, slot_stride, ? FROM segments WHERE id = ?",
             [(seg, slot, now + self.reuse_delay_s, seg) for seg, slot in slots],
@@ -393,6 +408,8 @@ class RemoteIndex:
 
     def _remove_pages(self, db: sqlite3.Connection, rows: Sequence[tuple], now: float) -> None:
         """Unpublish pages given as (ns, key, seg, slot, length) rows and free their slots."""
+        if not rows:
+            return
         db.executemany("DELETE FROM pages WHERE ns = ? AND key = ?", [r[:2] for r in rows])
         self._free(db, [(r[2], r[3]) for r in rows], now)
         self._count_pages(db, ((r[0], r[4]) for r in rows), -1)
@@ -455,8 +472,9 @@ class RemoteIndex:
         items: Sequence,
         apply: Callable[[sqlite3.Connection, Sequence], Optional[Iterable]],
         committed: Optional[list] = None,
+        step_rows: int = STEP_ROWS,
     ) -> None:
-        """``apply(db, step)`` over ``items``, ``STEP_ROWS`` at a time, in transactions that
+        """``apply(db, step)`` over ``items``, ``step_rows`` at a time, in transactions that
         commit once ``TRANSACTION_BUDGET_S`` has passed or ``ROWS_PER_TRANSACTION`` rows are in.
         What ``apply`` returns is added to ``committed`` once its transaction has committed."""
         position = 0
@@ -467,7 +485,7 @@ class RemoteIndex:
                 while position < len(items) and rows < ROWS_PER_TRANSACTION and (
                     not rows or time.monotonic() - start < TRANSACTION_BUDGET_S
                 ):
-                    step = items[position : position + STEP_ROWS]
+                    step = items[position : position + step_rows]
                     pending.extend(apply(db, step) or ())
                     position += len(step)
                     rows += len(step)
@@ -681,7 +699,7 @@ class RemoteIndex:
             latest[entry.key] = i
         def write(db: sqlite3.Connection, step: Sequence[int]) -> list[int]:
             now = time.time()
-            mine = [i for i in step if self._end_reservation(db, entries[i].slot)]
+            mine = self._end_reservations(db, step, [entries[i].slot for i in step])
             self._remove_pages(db, self._page_rows(db, ns, [entries[i].key for i in mine]), now)
             first = self._tick(db, len(mine))
             db.executemany(
@@ -696,7 +714,9 @@ class RemoteIndex:
 
         done: list[int] = []
         try:
-            self._in_steps(list(latest.values()), write, done)
+            # A publication step costs a dozen statements whatever its size, and its rows (fresh
+            # keys into consecutive slots) are cheap: larger steps keep statements per page down.
+            self._in_steps(list(latest.values()), write, done, step_rows=4 * STEP_ROWS)
         except sqlite3.Error as exc:  # what committed before stays published
             logger.warning("publishing %d pages in %s stopped after %d: %r", len(latest), self.path, len(done), exc)
         for i in done:
@@ -706,12 +726,20 @@ class RemoteIndex:
         self.release([entries[i].slot for i in superseded])
         return published
 
-    def _end_reservation(self, db: sqlite3.Connection, slot: SlotRef) -> bool:
-        """Drop this writer's reservation of ``slot``; False if it owns none (reclaimed)."""
-        return db.execute(
-            "DELETE FROM reservations WHERE seg = ? AND slot = ? AND owner = ?",
-            (slot[0], slot[1], self.owner),
-        ).rowcount == 1
+    def _end_reservations(self, db: sqlite3.Connection, items: Sequence, slots: Sequence[SlotRef]) -> list:
+        """Drop this writer's reservations of ``slots``; returns the ``items`` (one per slot)
+        whose slot it still owned (a reclaimed reservation is not ours any more)."""
+        marks = ",".join("(?, ?)" for _ in slots)
+        owned = set(db.execute(
+            f"SELECT seg, slot FROM reservations WHERE owner = ? AND (seg, slot) IN (VALUES {marks})",
+            (self.owner, *(v for s in slots for v in (s[0], s[1]))),
+        ))
+        mine = [item for item, s in zip(items, slots) if (s[0], s[1]) in owned]
+        db.executemany(
+            "DELETE FROM reservations WHERE seg = ? AND slot = ?",
+            [(s[0], s[1]) for s in slots if (s[0], s[1]) in owned],
+        )
+        return mine
 
     @staticmethod
     def _page_rows(db: sqlite3.Connection, ns: bytes, keys: Sequence[bytes]) -> list[tuple]:
@@ -730,8 +758,7 @@ class RemoteIndex:
     def release(self, slots: Sequence[SlotRef]) -> None:
         """Give back reserved slots that will not be published (failed or abandoned writes)."""
         self._in_steps(
-            list(slots),
-            lambda db, step: self._free(db, [s for s in step if self._end_reservation(db, s)], time.time()),
+            list(slots), lambda db, step: self._free(db, self._end_reservations(db, step, step), time.time())
         )
 
     def delete(self, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
@@ -836,8 +863,9 @@ class RemoteIndex:
             )
 
     def close(self) -> None:
-        """Write buffered hits and close the connections."""
+        """Write buffered hits, finish background work and close the connections."""
         try:
             self.flush_touches()
         finally:
+            self._background.shutdown(wait=True)
             self._close_connections()

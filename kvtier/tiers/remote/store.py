@@ -554,7 +554,7 @@ class RemoteStore:
         )
         hits = [ids[i] for i in range(len(ids)) if found[i]]
         if hits and self._index.touch(self._ns_fp, hits):
-            self._checksum_pool.submit(self._flush_touches)
+            self._index.flush_touches_later()
         self._count(hits=len(hits), misses=len(ids) - len(hits), bytes_read=len(hits) * self.page_bytes)
         return found
 
@@ -785,13 +785,6 @@ class RemoteStore:
             if not any(s <= start and end <= e for s, e in covered)
         ]
         return self._engine.register(rows, "DRAM") if rows else None
-
-    def _flush_touches(self) -> None:
-        """Write buffered LRU hits off the reading thread; a failure only delays them."""
-        try:
-            self._index.flush_touches()
-        except sqlite3.Error as exc:
-            logger.warning("could not record LRU hits yet: %r", exc)
 
     def _release_quietly(self, slots: Sequence[SlotRef]) -> None:
         if not slots:
