@@ -93,7 +93,11 @@ whatever the umask; symbolic links inside the store are refused; a directory own
 user is refused unless ``allow_foreign_owner=True``. CRC32C detects corruption, not forgery:
 anyone who can write the files can write a matching checksum. With ``mac_key`` (16-64 bytes)
 every record carries a keyed BLAKE2b-128 MAC, checked on every read; records written without
-the key or with another key are misses.
+the key or with another key are misses. The MAC costs what BLAKE2b costs: about 0.6 GB/s a core
+here against CRC32C's 20. Measured with ``benchmarks/remote_bandwidth.py --total-mib 128
+--page-kib 64 1024 [--mac]`` back to back (2 vCPUs, load 7-10): 1 MiB pages wrote at 1.32
+GB/s without and 0.64 with, read warm at 3.54 and 0.93, cold at 1.57 and 0.81; 64 KiB pages
+wrote at 0.44 and 0.43, read warm at 1.82 and 0.75.
 
 Backends: ``POSIX`` (pass ``backend_params`` such as ``{"use_uring": "true"}``); ``GDS`` and
 ``GDS_MT`` are tried with a 4 KiB write and read-back and fall back to POSIX with one log line if
