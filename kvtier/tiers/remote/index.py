@@ -24,11 +24,16 @@ Rules it keeps, whatever process or thread calls it:
   before it was freed normally finishes reading before the slot is rewritten. The record header
   and checksum, checked by the reader, make the rare slower reader a miss, never wrong bytes.
 - No transaction is long: work over many rows (eviction, publication, deletion, clearing, LRU
-  hits) runs in transactions of at most ``ROWS_PER_TRANSACTION`` rows, so neither this index's
-  lock nor SQLite's write lock is held for long (about 3 ms per 256 evicted pages on a 2-vCPU
-  VM; ``benchmarks/remote_index_locks.py``). A large put may therefore publish its pages in
-  several steps; each page is published whole or not at all. ``longest_hold_s`` records the
-  longest hold since open.
+  hits, reservation) runs ``STEP_ROWS`` rows at a time, and a transaction commits once
+  ``TRANSACTION_BUDGET_S`` (2 ms) has passed or it holds ``ROWS_PER_TRANSACTION`` (64) rows, so
+  neither this index's lock nor SQLite's write lock is held for long however costly a row is
+  (rows of random keys in a large store dirty many B-tree pages, and COMMIT writes them all to
+  the WAL). Measured on the 2-vCPU VM with 100,000 pages (``benchmarks/remote_index_locks.py``):
+  evicting 57,501 of them held the lock at most 6.3 ms (2.9 ms of CPU; the rest is waiting
+  for a CPU on a shared machine), against 1.16 s in one transaction; publish, delete, clear and
+  LRU flushes of 4,096 pages at most 10 ms (3.3 ms of CPU). A large put may therefore publish
+  its pages in several steps; each page is published whole or not at all. ``longest_hold_s``
+  records the longest hold since open, ``longest_hold_cpu_s`` the most CPU time one hold took.
 - Page and byte counts, store-wide (``meta``) and per namespace (``namespaces``), are kept by
   the transactions that publish and remove pages, so ``stats`` reads a few rows whatever the
   store holds.
@@ -63,6 +68,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
@@ -74,7 +80,10 @@ SCHEMA_VERSION = 2
 TOUCH_FLUSH_PAGES = 4096
 TOUCH_FLUSH_S = 1.0
 RECLAIM_INTERVAL_S = 30.0
-ROWS_PER_TRANSACTION = 128
+ROWS_PER_TRANSACTION = 256
+STEP_ROWS = 16
+CACHE_KIB = 64 << 10
+TRANSACTION_BUDGET_S = 0.002
 CHECKPOINT_EVERY_TRANSACTIONS = 64
 CHECKPOINT_EVERY_S = 1.0
 _SQL_CHUNK = 500
@@ -224,13 +233,14 @@ class RemoteIndex:
         self.owner = owner
         self.reuse_delay_s = reuse_delay_s
         self.reservation_lease_s = reservation_lease_s
-        self.longest_hold_s = 0.0
+        self.longest_hold_s = self.longest_hold_cpu_s = 0.0
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._pending_touches: list[tuple[bytes, bytes]] = []
         self._oldest_touch = 0.0
         self._last_reclaim = 0.0
-        self._checkpoint_lock = threading.Lock()
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-index")
+        self._checkpoint_pending = False
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         self._db = self._reader = self._checkpointer = None
@@ -256,11 +266,16 @@ class RemoteIndex:
             raise
 
     def _connect(self, busy_timeout_s: float) -> sqlite3.Connection:
-        return sqlite3.connect(
+        db = sqlite3.connect(
             self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
+        # SQLite's default page cache is 2 MB; an index of 100,000 pages is about 30 MB, and
+        # rows of random keys touch pages all over it.
+        db.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
+        return db
 
     def _close_connections(self) -> None:
+        self._background.shutdown(wait=True)
         for db in (self._db, self._reader, self._checkpointer):
             if db is not None:
                 db.close()
@@ -303,7 +318,7 @@ class RemoteIndex:
         writers never deadlock upgrading read locks. The WAL is checkpointed after the commit,
         outside the lock (see ``_checkpoint``)."""
         with self._lock:
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.thread_time()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -314,31 +329,42 @@ class RemoteIndex:
                 raise
             finally:
                 self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - start)
+                self.longest_hold_cpu_s = max(self.longest_hold_cpu_s, time.thread_time() - cpu)
             self._since_checkpoint += 1
-            due = (
+            if not self._checkpoint_pending and (
                 self._since_checkpoint >= CHECKPOINT_EVERY_TRANSACTIONS
                 or start - self._last_checkpoint >= CHECKPOINT_EVERY_S
-            )
-        if due:
-            self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        """Copy the WAL into the database on a connection of its own. SQLite's automatic
-        checkpoint runs inside the COMMIT that crosses 1,000 WAL pages, with two fsyncs, under
-        this index's lock: measured here it held the lock for 0.3-1 s (the longest hold of a
-        4,096-page publish went from 1,038 ms to 5 ms without it). A PASSIVE checkpoint waits for
-        no reader or writer; one thread checkpoints at a time, the others skip."""
-        if not self._checkpoint_lock.acquire(blocking=False):
-            return
-        try:
-            with self._lock:
+            ):
+                self._checkpoint_pending = True
                 self._since_checkpoint = 0
                 self._last_checkpoint = time.monotonic()
+                self._background.submit(self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database, on the index's background thread and a connection of
+        its own. SQLite's automatic checkpoint runs inside the COMMIT that crosses 1,000 WAL
+        pages, with two fsyncs, under this index's lock: measured here it held the lock for
+        0.3-1 s (the longest hold of a 4,096-page publish went from 1,038 ms to 5 ms without it);
+        run on the caller's thread, its fsyncs slowed the reads waiting behind it. A PASSIVE
+        checkpoint waits for no reader or writer."""
+        try:
             self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as exc:
             logger.warning("index checkpoint of %s failed (retried later): %r", self.path, exc)
         finally:
-            self._checkpoint_lock.release()
+            with self._lock:
+                self._checkpoint_pending = False
+
+    def flush_touches_later(self) -> None:
+        """``flush_touches`` on the index's background thread; a failure only delays the hits."""
+
+        def flush() -> None:
+            try:
+                self.flush_touches()
+            except sqlite3.Error as exc:
+                logger.warning("could not record LRU hits in %s yet: %r", self.path, exc)
+
+        self._background.submit(flush)
 
     @staticmethod
     def _meta(db: sqlite3.Connection, name: str) -> int:
@@ -371,8 +397,10 @@ class RemoteIndex:
         self._add_meta(db, "pages", sign * sum(pages.values()))
         self._add_meta(db, "used_bytes", sign * sum(used.values()))
 
-    def _free(self, db: sqlite3.Connection, slots: Iterable[tuple[int, int]], now: float) -> None:
+    def _free(self, db: sqlite3.Connection, slots: Sequence[tuple[int, int]], now: float) -> None:
         """Move slots to the free list; reusable after the reuse delay."""
+        if not slots:
+            return
         db.executemany(
             "INSERT INTO free_slots SELECT ?, ?, slot_stride, ? FROM segments WHERE id = ?",
             [(seg, slot, now + self.reuse_delay_s, seg) for seg, slot in slots],
@@ -380,6 +408,8 @@ class RemoteIndex:
 
     def _remove_pages(self, db: sqlite3.Connection, rows: Sequence[tuple], now: float) -> None:
         """Unpublish pages given as (ns, key, seg, slot, length) rows and free their slots."""
+        if not rows:
+            return
         db.executemany("DELETE FROM pages WHERE ns = ? AND key = ?", [r[:2] for r in rows])
         self._free(db, [(r[2], r[3]) for r in rows], now)
         self._count_pages(db, ((r[0], r[4]) for r in rows), -1)
@@ -437,17 +467,44 @@ class RemoteIndex:
                 or time.monotonic() - self._oldest_touch >= TOUCH_FLUSH_S
             )
 
+    def _in_steps(
+        self,
+        items: Sequence,
+        apply: Callable[[sqlite3.Connection, Sequence], Optional[Iterable]],
+        committed: Optional[list] = None,
+        step_rows: int = STEP_ROWS,
+    ) -> None:
+        """``apply(db, step)`` over ``items``, ``step_rows`` at a time, in transactions that
+        commit once ``TRANSACTION_BUDGET_S`` has passed or ``ROWS_PER_TRANSACTION`` rows are in.
+        What ``apply`` returns is added to ``committed`` once its transaction has committed."""
+        position = 0
+        while position < len(items):
+            pending: list = []
+            with self._transaction() as db:
+                start, rows = time.monotonic(), 0
+                while position < len(items) and rows < ROWS_PER_TRANSACTION and (
+                    not rows or time.monotonic() - start < TRANSACTION_BUDGET_S
+                ):
+                    step = items[position : position + step_rows]
+                    pending.extend(apply(db, step) or ())
+                    position += len(step)
+                    rows += len(step)
+            if committed is not None:
+                committed.extend(pending)
+
     def flush_touches(self) -> None:
-        """Write buffered hits, ``ROWS_PER_TRANSACTION`` per transaction."""
+        """Write buffered hits (in bounded transactions)."""
         with self._lock:
             touches, self._pending_touches = self._pending_touches, []
-        for chunk in _chunks(touches, ROWS_PER_TRANSACTION):
-            with self._transaction() as db:
-                first = self._tick(db, len(chunk))
-                db.executemany(
-                    "UPDATE pages SET last_access = ? WHERE ns = ? AND key = ?",
-                    [(first + i, ns, key) for i, (ns, key) in enumerate(chunk)],
-                )
+
+        def write(db: sqlite3.Connection, step: Sequence[tuple[bytes, bytes]]) -> None:
+            first = self._tick(db, len(step))
+            db.executemany(
+                "UPDATE pages SET last_access = ? WHERE ns = ? AND key = ?",
+                [(first + i, ns, key) for i, (ns, key) in enumerate(step)],
+            )
+
+        self._in_steps(touches, write)
 
     def stats(self, ns: bytes) -> dict[str, int]:
         """Page counts and bytes of namespace ``ns`` and of the whole store, from counters the
@@ -494,7 +551,7 @@ class RemoteIndex:
         least recently used pages (of any namespace) are evicted until they fit under
         ``low_watermark * capacity_bytes``. Fewer slots than asked are returned only when the
         request cannot fit even after evicting everything evictable. Eviction and allocation
-        run in transactions of at most ``ROWS_PER_TRANSACTION`` rows; ``create_segment(seg,
+        run in bounded transactions (see the module docstring); ``create_segment(seg,
         slot_stride, nslots)`` is called inside the transaction that adds a segment, so its file
         exists before any other process can see the segment.
         """
@@ -549,7 +606,7 @@ class RemoteIndex:
                         if victims:
                             continue
                     take = min(want, max(0, int((high - used) // length)))
-                take = min(take, ROWS_PER_TRANSACTION)
+                take = min(take, STEP_ROWS * 4)
                 if take == 0:
                     break
                 new = self._allocate(db, take, slot_stride, slots_per_segment, now, create_segment)
@@ -561,20 +618,27 @@ class RemoteIndex:
         return evicted
 
     def _evict_some(self, db: sqlite3.Connection, excess: float, now: float) -> int:
-        """Evict least recently used pages, up to ``ROWS_PER_TRANSACTION``, until ``excess``
-        bytes are gone; returns how many."""
-        rows = db.execute(
-            "SELECT ns, key, seg, slot, length FROM pages ORDER BY last_access LIMIT ?",
-            (ROWS_PER_TRANSACTION,),
-        ).fetchall()
-        victims = []
-        for row in rows:
-            if excess <= 0:
+        """Evict least recently used pages, ``STEP_ROWS`` at a time, until ``excess`` bytes are
+        gone or the transaction's budget is spent; returns how many."""
+        start, evicted = time.monotonic(), 0
+        while excess > 0 and evicted < ROWS_PER_TRANSACTION and (
+            not evicted or time.monotonic() - start < TRANSACTION_BUDGET_S
+        ):
+            rows = db.execute(
+                "SELECT ns, key, seg, slot, length FROM pages ORDER BY last_access LIMIT ?",
+                (STEP_ROWS,),
+            ).fetchall()
+            victims = []
+            for row in rows:
+                if excess <= 0:
+                    break
+                victims.append(row)
+                excess -= row[4]
+            if not victims:
                 break
-            victims.append(row)
-            excess -= row[4]
-        self._remove_pages(db, victims, now)
-        return len(victims)
+            self._remove_pages(db, victims, now)
+            evicted += len(victims)
+        return evicted
 
     def _allocate(
         self,
@@ -588,8 +652,10 @@ class RemoteIndex:
         slots = [
             SlotRef(seg, slot)
             for seg, slot in db.execute(
+                # In the order of free_by_stride: sorting a large free list by (seg, slot)
+                # took milliseconds under the lock.
                 "SELECT seg, slot FROM free_slots WHERE slot_stride = ? AND free_after <= ? "
-                "ORDER BY seg, slot LIMIT ?",
+                "ORDER BY free_after LIMIT ?",
                 (slot_stride, now, count),
             )
         ]
@@ -618,7 +684,7 @@ class RemoteIndex:
         return slots
 
     def publish(self, ns: bytes, entries: Sequence[PublishEntry]) -> list[bool]:
-        """Make durable records visible, ``ROWS_PER_TRANSACTION`` per transaction.
+        """Make durable records visible (in bounded transactions).
 
         An entry whose reservation this writer no longer owns (reclaimed after its lease) is not
         published and returns False. A key's previous page, if any, is freed; of two entries
@@ -631,34 +697,49 @@ class RemoteIndex:
             if entry.key in latest:
                 superseded.append(latest[entry.key])
             latest[entry.key] = i
-        winners = list(latest.values())
-        for chunk in _chunks(winners, ROWS_PER_TRANSACTION):
+        def write(db: sqlite3.Connection, step: Sequence[int]) -> list[int]:
             now = time.time()
-            with self._transaction() as db:
-                mine = [i for i in chunk if self._end_reservation(db, entries[i].slot)]
-                self._remove_pages(db, self._page_rows(db, ns, [entries[i].key for i in mine]), now)
-                first = self._tick(db, len(mine))
-                db.executemany(
-                    "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (ns, e.key, e.slot.seg, e.slot.slot, e.length, e.crc, e.token, first + n)
-                        for n, e in enumerate(entries[i] for i in mine)
-                    ],
-                )
-                self._count_pages(db, ((ns, entries[i].length) for i in mine), 1)
-            for i in mine:
-                published[i] = True
+            mine = self._end_reservations(db, step, [entries[i].slot for i in step])
+            self._remove_pages(db, self._page_rows(db, ns, [entries[i].key for i in mine]), now)
+            first = self._tick(db, len(mine))
+            db.executemany(
+                "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (ns, e.key, e.slot.seg, e.slot.slot, e.length, e.crc, e.token, first + n)
+                    for n, e in enumerate(entries[i] for i in mine)
+                ],
+            )
+            self._count_pages(db, ((ns, entries[i].length) for i in mine), 1)
+            return mine
+
+        done: list[int] = []
+        try:
+            # A publication step costs a dozen statements whatever its size, and its rows (fresh
+            # keys into consecutive slots) are cheap: larger steps keep statements per page down.
+            self._in_steps(list(latest.values()), write, done, step_rows=4 * STEP_ROWS)
+        except sqlite3.Error as exc:  # what committed before stays published
+            logger.warning("publishing %d pages in %s stopped after %d: %r", len(latest), self.path, len(done), exc)
+        for i in done:
+            published[i] = True
         for i in superseded:
             published[i] = published[latest[entries[i].key]]
         self.release([entries[i].slot for i in superseded])
         return published
 
-    def _end_reservation(self, db: sqlite3.Connection, slot: SlotRef) -> bool:
-        """Drop this writer's reservation of ``slot``; False if it owns none (reclaimed)."""
-        return db.execute(
-            "DELETE FROM reservations WHERE seg = ? AND slot = ? AND owner = ?",
-            (slot[0], slot[1], self.owner),
-        ).rowcount == 1
+    def _end_reservations(self, db: sqlite3.Connection, items: Sequence, slots: Sequence[SlotRef]) -> list:
+        """Drop this writer's reservations of ``slots``; returns the ``items`` (one per slot)
+        whose slot it still owned (a reclaimed reservation is not ours any more)."""
+        marks = ",".join("(?, ?)" for _ in slots)
+        owned = set(db.execute(
+            f"SELECT seg, slot FROM reservations WHERE owner = ? AND (seg, slot) IN (VALUES {marks})",
+            (self.owner, *(v for s in slots for v in (s[0], s[1]))),
+        ))
+        mine = [item for item, s in zip(items, slots) if (s[0], s[1]) in owned]
+        db.executemany(
+            "DELETE FROM reservations WHERE seg = ? AND slot = ?",
+            [(s[0], s[1]) for s in slots if (s[0], s[1]) in owned],
+        )
+        return mine
 
     @staticmethod
     def _page_rows(db: sqlite3.Connection, ns: bytes, keys: Sequence[bytes]) -> list[tuple]:
@@ -676,58 +757,65 @@ class RemoteIndex:
 
     def release(self, slots: Sequence[SlotRef]) -> None:
         """Give back reserved slots that will not be published (failed or abandoned writes)."""
-        for chunk in _chunks(list(slots), ROWS_PER_TRANSACTION):
-            now = time.time()
-            with self._transaction() as db:
-                self._free(db, [s for s in chunk if self._end_reservation(db, s)], now)
+        self._in_steps(
+            list(slots), lambda db, step: self._free(db, self._end_reservations(db, step, step), time.time())
+        )
 
     def delete(self, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Unpublish keys of namespace ``ns``; True where a page existed."""
         self.flush_touches()
-        existed: set[bytes] = set()
-        for chunk in _chunks(list(dict.fromkeys(keys)), ROWS_PER_TRANSACTION):
-            now = time.time()
-            with self._transaction() as db:
-                rows = self._page_rows(db, ns, chunk)
-                self._remove_pages(db, rows, now)
-            existed.update(row[1] for row in rows)
-        return [key in existed for key in keys]
+
+        def remove(db: sqlite3.Connection, step: Sequence[bytes]) -> list[bytes]:
+            rows = self._page_rows(db, ns, step)
+            self._remove_pages(db, rows, time.time())
+            return [row[1] for row in rows]
+
+        existed: list[bytes] = []
+        self._in_steps(list(dict.fromkeys(keys)), remove, existed)
+        gone = set(existed)
+        return [key in gone for key in keys]
 
     def drop_current(self, ns: bytes, entries: Sequence[tuple[bytes, int]]) -> list[bool]:
         """Unpublish each (key, token) only if the key's page is still that write (a record
         that failed to read or verify); True where it was dropped."""
-        dropped: set[tuple[bytes, int]] = set()
-        for chunk in _chunks(list(dict.fromkeys(entries)), ROWS_PER_TRANSACTION):
-            now = time.time()
-            with self._transaction() as db:
-                rows = [
-                    row
-                    for key, token in chunk
-                    for row in db.execute(
-                        "SELECT ns, key, seg, slot, length, token FROM pages "
-                        "WHERE ns = ? AND key = ? AND token = ?",
-                        (ns, key, token),
-                    )
-                ]
-                self._remove_pages(db, [row[:5] for row in rows], now)
-            dropped.update((row[1], row[5]) for row in rows)
-        return [tuple(entry) in dropped for entry in entries]
+        def drop(db: sqlite3.Connection, step: Sequence[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+            rows = [
+                row
+                for key, token in step
+                for row in db.execute(
+                    "SELECT ns, key, seg, slot, length, token FROM pages "
+                    "WHERE ns = ? AND key = ? AND token = ?",
+                    (ns, key, token),
+                )
+            ]
+            self._remove_pages(db, [row[:5] for row in rows], time.time())
+            return [(row[1], row[5]) for row in rows]
+
+        dropped: list[tuple[bytes, int]] = []
+        self._in_steps(list(dict.fromkeys(map(tuple, entries))), drop, dropped)
+        gone = set(dropped)
+        return [tuple(entry) in gone for entry in entries]
 
     def clear(self, ns: bytes) -> int:
         """Unpublish every page of namespace ``ns`` and nothing else; returns the count."""
         self.flush_touches()
         removed = 0
-        while True:
-            now = time.time()
+        finished = False
+        while not finished:
             with self._transaction() as db:
-                rows = db.execute(
-                    "SELECT ns, key, seg, slot, length FROM pages WHERE ns = ? LIMIT ?",
-                    (ns, ROWS_PER_TRANSACTION),
-                ).fetchall()
-                self._remove_pages(db, rows, now)
-            removed += len(rows)
-            if len(rows) < ROWS_PER_TRANSACTION:
-                return removed
+                start, rows = time.monotonic(), 0
+                while not finished and rows < ROWS_PER_TRANSACTION and (
+                    not rows or time.monotonic() - start < TRANSACTION_BUDGET_S
+                ):
+                    step = db.execute(
+                        "SELECT ns, key, seg, slot, length FROM pages WHERE ns = ? LIMIT ?",
+                        (ns, STEP_ROWS),
+                    ).fetchall()
+                    self._remove_pages(db, step, time.time())
+                    rows += len(step)
+                    finished = len(step) < STEP_ROWS
+            removed += rows
+        return removed
 
     def reclaim(self) -> int:
         """Free slots reserved by writers that died; returns how many."""
@@ -775,8 +863,9 @@ class RemoteIndex:
             )
 
     def close(self) -> None:
-        """Write buffered hits and close the connections."""
+        """Write buffered hits, finish background work and close the connections."""
         try:
             self.flush_touches()
         finally:
+            self._background.shutdown(wait=True)
             self._close_connections()

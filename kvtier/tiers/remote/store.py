@@ -93,7 +93,11 @@ whatever the umask; symbolic links inside the store are refused; a directory own
 user is refused unless ``allow_foreign_owner=True``. CRC32C detects corruption, not forgery:
 anyone who can write the files can write a matching checksum. With ``mac_key`` (16-64 bytes)
 every record carries a keyed BLAKE2b-128 MAC, checked on every read; records written without
-the key or with another key are misses.
+the key or with another key are misses. The MAC costs what BLAKE2b costs: about 0.6 GB/s a core
+here against CRC32C's 20. Measured with ``benchmarks/remote_bandwidth.py --total-mib 128
+--page-kib 64 1024 [--mac]`` back to back (2 vCPUs, load 7-10): 1 MiB pages wrote at 1.32
+GB/s without and 0.64 with, read warm at 3.54 and 0.93, cold at 1.57 and 0.81; 64 KiB pages
+wrote at 0.44 and 0.43, read warm at 1.82 and 0.75.
 
 Backends: ``POSIX`` (pass ``backend_params`` such as ``{"use_uring": "true"}``); ``GDS`` and
 ``GDS_MT`` are tried with a 4 KiB write and read-back and fall back to POSIX with one log line if
@@ -554,7 +558,7 @@ class RemoteStore:
         )
         hits = [ids[i] for i in range(len(ids)) if found[i]]
         if hits and self._index.touch(self._ns_fp, hits):
-            self._checksum_pool.submit(self._flush_touches)
+            self._index.flush_touches_later()
         self._count(hits=len(hits), misses=len(ids) - len(hits), bytes_read=len(hits) * self.page_bytes)
         return found
 
@@ -785,13 +789,6 @@ class RemoteStore:
             if not any(s <= start and end <= e for s, e in covered)
         ]
         return self._engine.register(rows, "DRAM") if rows else None
-
-    def _flush_touches(self) -> None:
-        """Write buffered LRU hits off the reading thread; a failure only delays them."""
-        try:
-            self._index.flush_touches()
-        except sqlite3.Error as exc:
-            logger.warning("could not record LRU hits yet: %r", exc)
 
     def _release_quietly(self, slots: Sequence[SlotRef]) -> None:
         if not slots:
