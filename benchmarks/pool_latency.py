@@ -60,17 +60,18 @@ def pcie_h2d_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
 
 
 def fill(pool: TieredPool, slots: list[int], seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random pages written on the device, as an engine's kernels would (no host work in between)."""
+    device = pool.device_tier.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    index = torch.as_tensor(slots, device=device)
     for layer in range(pool.fmt.num_layers):
         for plane in pool.device_kv(layer):
-            if plane is None:
-                continue
-            values = (torch.randn((len(slots), *plane.shape[1:]), generator=gen) * 2).to(plane.device)
-            plane[torch.as_tensor(slots, device=plane.device)] = values.to(plane.dtype)
+            if plane is not None:
+                values = torch.randn((len(slots), *plane.shape[1:]), generator=gen, device=device) * 2
+                plane[index] = values.to(plane.dtype)
         for scales in pool.device_scales(layer):
             if scales is not None:
-                scales[torch.as_tensor(slots, device=scales.device)] = (
-                    torch.rand((len(slots), *scales.shape[1:]), generator=gen) + 0.05).to(scales.device)
+                scales[index] = torch.rand((len(slots), *scales.shape[1:]), generator=gen, device=device) + 0.05
 
 
 def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: float, large_bytes: int) -> list[dict]:

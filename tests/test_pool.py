@@ -100,6 +100,7 @@ def test_write_through_copies_on_commit_and_never_again(registry, gen):
     pool = make_pool(registry, write_policy="write_through")
     keys = keys_for(pool, 4)
     write_pages(pool, keys, gen)
+    assert pool.flush() == 0  # waits for the copies the offload thread started after commit
     s = pool.stats()
     assert s["pages_moved"]["device_to_host"] == 4
     assert s["states"]["host"]["resident"] == 4 and s["states"]["device"]["resident"] == 4
@@ -167,6 +168,7 @@ def test_host_eviction_makes_the_device_copy_dirty_again(registry, gen):
     pool = make_pool(registry, write_policy="write_through", device_pages=8, host_pages=4)
     first = keys_for(pool, 4)
     write_pages(pool, first, gen)
+    assert pool.flush() == 0
     assert pool.stats()["states"]["device"]["resident"] == 4
     pool.evict(tier="host")
     assert pool.stats()["states"]["device"]["dirty"] == 4

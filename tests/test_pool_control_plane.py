@@ -49,6 +49,7 @@ def _full_pool(host_pages: int, device_pages: int, policy: str = "write_through"
         slots = pool.allocate(len(part))
         pool.commit(part, slots)
         pool.release(slots)
+    assert pool.flush() == 0  # the write-through copies the offload thread started have landed
     s = pool.stats()["states"]
     assert s["host"]["free"] == 0 and s["device"]["free"] == 0
     return pool, keys
@@ -286,6 +287,7 @@ def test_a_second_load_of_a_landing_page_waits_for_its_copy(registry, gen):
     fill_random(pool, slots, gen)
     expected = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
     pool.commit(keys, slots)
+    assert engine.submitted.acquire(timeout=LIVENESS_S)  # the offload thread queued the write-through copy
     engine.land()
     pool.release(slots)
     pool.evict(tier="device")

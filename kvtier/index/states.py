@@ -29,7 +29,8 @@ S = PageState
 ALLOWED: dict[PageState, frozenset[PageState]] = {
     S.FREE: frozenset({S.FILLING, S.LOADING}),
     # FILLING -> LOADING: a slot the engine allocated receives a page from another tier.
-    S.FILLING: frozenset({S.FREE, S.RESIDENT, S.DIRTY, S.LOADING}),
+    # FILLING -> OFFLOADING: a committed page whose copy to the tier below starts at once.
+    S.FILLING: frozenset({S.FREE, S.RESIDENT, S.DIRTY, S.LOADING, S.OFFLOADING}),
     # A load that fails frees the slot; a landed copy is clean or dirty w.r.t. the tier below.
     S.LOADING: frozenset({S.FREE, S.RESIDENT, S.DIRTY}),
     # RESIDENT -> DIRTY when the tier below evicts its copy.

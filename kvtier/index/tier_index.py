@@ -160,8 +160,8 @@ class TierIndex:
             self.policy.remove(slot)
 
     # --- slots ---------------------------------------------------------------------------
-    def take_free(self, n: int, state: PageState) -> list[int]:
-        """Up to n free slots, moved to `state` (FILLING or LOADING)."""
+    def take_free(self, n: int, state: PageState, busy_delta: int = 0) -> list[int]:
+        """Up to n free slots, moved to `state` (FILLING or LOADING), `busy_delta` copies on each."""
         free = self.free
         take = min(n, len(free))
         if not take:
@@ -169,8 +169,36 @@ class TierIndex:
         slots = free[len(free) - take :].tolist()
         slots.reverse()
         del free[len(free) - take :]
-        self.set_states(slots, state)
+        self.set_states(slots, state, busy_delta)
         return slots
+
+    def reuse(self, slots, state: PageState, busy_delta: int = 0) -> None:
+        """Evict keyed, evictable slots (RESIDENT, or DIRTY pages the caller lets go) and hand
+        them straight to a new page in `state` (LOADING), `busy_delta` copies on each: the same
+        as moving them to FREE and taking them back, in one pass."""
+        state_of, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
+        unbind, hits, remove = self.table.unbind, self.hits, self.policy.remove
+        legal = _LEGAL_TO[state]
+        count = 0
+        for slot in slots:
+            old = state_of[slot]
+            if not _EVICTABLE[old] or pins[slot] or busy[slot]:
+                raise AssertionError(f"{self.name} slot {slot} reused while {PageState(old).name}, pinned or busy")
+            remove(slot)
+            if old == _DIRTY:
+                dirty.discard(slot)
+            unbind(slot)
+            hits[slot] = 0
+            state_of[slot] = state
+            counts[old] -= 1
+            count += 1
+            if busy_delta:
+                busy[slot] = busy_delta
+        if count:
+            assert legal[_FREE], f"{self.name}: FREE -> {PageState(state).name} is illegal"
+            counts[state] += count
+            if busy_delta:
+                self.busy_slots += count
 
     def bind_all(self, slots, kids) -> None:
         """Key each slot (FILLING or LOADING, unkeyed) with its id."""
@@ -183,6 +211,14 @@ class TierIndex:
             self.held += 1
         self.pins[slot] += 1
         self.policy.remove(slot)
+
+    def pin_all(self, slots) -> None:
+        """Pin slots that are not in the eviction order (FILLING or LOADING ones)."""
+        pins = self.pins
+        for slot in slots:
+            if not pins[slot]:
+                self.held += 1
+            pins[slot] += 1
 
     def unpin(self, slot: int) -> None:
         if self.pins[slot] <= 0:

@@ -164,7 +164,8 @@ class TieredPool:
         self._dev_landing: dict[int, Ticket] = {}  # device slot -> reload still landing in it
         self._fetching: dict[int, Ticket] = {}  # host slot -> remote fetch still landing in it
         self._evicting = bytearray(device_pages)  # device slots to free once their copy-down lands
-        self._ready = None
+        self._ready = None  # the latest commit's ready event (eviction copies wait on it)
+        self._pending_down: list[tuple[list[int], list[bytes], object]] = []  # write-through copies to start
         self.counters = Counters()
         self.remote = None
         self._link: RemoteLink | None = None
@@ -192,6 +193,8 @@ class TieredPool:
             self._link = RemoteLink(
                 self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup
             )
+        self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
+        self._offloader.start()
 
     @classmethod
     def from_config(cls, config=None, **overrides) -> TieredPool:
@@ -259,8 +262,10 @@ class TieredPool:
         """The pages in `slots` (from `allocate`) now hold `keys`; the write policy applies.
 
         A key already on the device keeps its slot; the new slot stays an unkeyed page the
-        engine holds. Returns how many pages were newly keyed. Never waits: a write-through
-        copy that finds no host room now happens at eviction or flush instead.
+        engine holds. Returns how many pages were newly keyed. Never waits. Under write-through
+        the copies down start right after, on the pool's offload thread (ordered after the
+        engine's writes by an event recorded here); a copy that finds no host room then happens
+        at eviction or flush instead.
         """
         start = time.perf_counter()
         ids = key_ids(keys)
@@ -273,7 +278,7 @@ class TieredPool:
             self._reap()
             dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
-            self._ready = self.engine.record_ready()
+            ready = self._ready = self.engine.record_ready()
             dget, hget, hstate = dev.table.get, host.table.get, host.state
             fresh_ids, fresh_slots, clean, dirty, absent_slots, absent_ids = [], [], [], [], [], []
             for kid, slot in zip(ids, slots):
@@ -295,7 +300,10 @@ class TieredPool:
             dev.set_states(clean, S.RESIDENT)
             dev.set_states(dirty, S.DIRTY)
             if absent_slots and self.write_policy.copy_on_commit():
-                self._start_copy_down(absent_slots, absent_ids, evicting=False)
+                # The copy down is started by the offload thread, so that commit costs the
+                # engine only the bookkeeping of its own pages.
+                self._pending_down.append((absent_slots, absent_ids, ready))
+                self._changed.notify_all()
             self.counters.latency["commit"].observe(time.perf_counter() - start)
             return len(fresh_ids)
 
@@ -403,12 +411,13 @@ class TieredPool:
             if slots is None:
                 new = self._take_device(len(host_src))
             with self._lock:
+                # Hands the held sources over to the copies (and empties dev_src / host_src).
                 handle = self._submit_load(ids, slots, dev_src, host_src, new)
                 new = []
                 self._reap()
                 self.counters.latency["load"].observe(time.perf_counter() - start)
             return handle
-        finally:
+        except BaseException:
             with self._lock:
                 self._dev.unhold_all(dev_src.values())
                 self._release_host(list(host_src.values()))
@@ -416,6 +425,7 @@ class TieredPool:
                     for slot in new:
                         self._dev.unpin(slot)
                     self._dev.set_states(new, S.FREE)
+            raise
 
     prefetch = load
 
@@ -532,12 +542,16 @@ class TieredPool:
                     ticket.wait()
                 tickets.append(self._device_copy([dev_src[i] for i in dev_idx], [slots[i] for i in dev_idx]))
             targets = [slots[i] for i in reload_idx]
+        dev.unhold_all(dev_src.values())  # pinned above, or held by the device copy now
+        dev_src.clear()
         if reload_idx:
             # A key may have reached the device meanwhile (another thread loaded or committed
             # it): its copy then lands in our slot as a private, unkeyed page.
-            dtable = dev.table
-            keyed = [ids[i] not in dtable for i in reload_idx]
-            tickets.append(self._reload([host_src[i] for i in reload_idx], targets, [ids[i] for i in reload_idx], keyed))
+            dget = dev.table.get
+            keyed = [dget(ids[i]) < 0 for i in reload_idx]
+            sources = [host_src[i] for i in reload_idx]
+            host_src.clear()  # the reload takes over the load's holds on its sources
+            tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))
             for i, slot in zip(reload_idx, targets):
                 out[i] = slot
         return LoadHandle(tickets, self.fmt.num_layers, out)
@@ -676,6 +690,7 @@ class TieredPool:
                 self.counters.dropped["close"] += left
                 log.warning("close: %d pages were not made durable and are gone", left)
             self._changed.notify_all()
+        self._offloader.join()
         for ticket, _ in self._inflight:
             ticket.synchronize()
         self.engine.close()
@@ -756,8 +771,7 @@ class TieredPool:
                     if need:
                         self._make_room(dev, need)
                         more += dev.take_free(need, S.FILLING)
-                    for slot in more:
-                        dev.pin(slot)
+                    dev.pin_all(more)
                     got += more
                     if len(got) == n:
                         return got
@@ -853,32 +867,36 @@ class TieredPool:
         self.counters.evictions["device"] += len(done)
 
     # --- internals: host slots -----------------------------------------------------------------
-    def _take_host(self, n: int) -> list[int]:
-        """Up to n host slots in LOADING state, evicting host pages as needed (never waits)."""
+    def _take_host(self, n: int, busy_delta: int = 0) -> list[int]:
+        """Up to n host slots in LOADING state with `busy_delta` copies on each, evicting host
+        pages as needed (evicted slots are handed over directly); never waits."""
         host = self._host
-        slots = host.take_free(n, S.LOADING)
+        slots = host.take_free(n, S.LOADING, busy_delta)
         if len(slots) < n:
             need = n - len(slots)
-            self._make_room(host, need)
-            slots += host.take_free(need, S.LOADING)
+            self._evict_host(host.victims(need), want=need, into=slots, busy_delta=busy_delta)
+            if len(slots) < n:  # dirty pages were passed over: look further for clean ones
+                need = n - len(slots)
+                self._evict_host(host.victims(need + _OVERSCAN), want=need, into=slots, busy_delta=busy_delta)
         return slots
 
     def _make_room(self, index: TierIndex, need: int) -> None:
-        """Evict from the LRU front until `need` slots are free or on their way. The first look
-        reads `need` entries; only when it had to pass pages over (dirty ones whose copy cannot
-        start yet) does a second look read up to _OVERSCAN entries further."""
-        evict = self._evict_device if index is self._dev else self._evict_host
-        got = evict(index.victims(need), want=need)
+        """Evict from the device tier's LRU front until `need` slots are free or on their way.
+        The first look reads `need` entries; only when it had to pass pages over (dirty ones
+        whose copy cannot start yet) does a second look read up to _OVERSCAN entries further."""
+        got = self._evict_device(index.victims(need), want=need)
         if got < need:
-            evict(index.victims(need + _OVERSCAN), want=need - got)
-
-    def _evict_host(self, victims: list[int], want: int | None = None) -> int:
+            self._evict_device(index.victims(need + _OVERSCAN), want=need - got)
+    def _evict_host(self, victims: list[int], want: int | None = None, into: list | None = None,
+                    busy_delta: int = 0) -> int:
         """Free host slots from `victims` (LRU order) until `want` are free or on their way.
 
         Clean pages go now. Dirty pages the write policy keeps are queued for backup while the
         remote tier is healthy (they go once durable); while it is not, the oldest are dropped,
         counted and logged once per outage. Pages already queued are passed over, so clean
-        pages behind them still go. Returns how many are free now or on their way."""
+        pages behind them still go. Returns how many are free now or on their way. With `into`,
+        the freed slots are not freed but handed to new pages (LOADING, `busy_delta` copies)
+        and appended to `into`."""
         host, dev = self._host, self._dev
         want = len(victims) if want is None else want
         free, queued, unavailable = [], 0, 0
@@ -914,7 +932,11 @@ class TieredPool:
                 if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
                     dev.set_state(dslot, S.DIRTY)
             self._backup_queue.discard(slot)
-        host.set_states(free, S.FREE)
+        if into is None:
+            host.set_states(free, S.FREE)
+        else:
+            host.reuse(free, S.LOADING, busy_delta)
+            into.extend(free)
         if queued:
             self._changed.notify_all()
         self.counters.evictions["host"] += len(free)
@@ -987,14 +1009,13 @@ class TieredPool:
         evictable when the page lands.
         """
         host, tier = self._host, self.host_tier
-        slots = self._take_host(len(ids))
+        # The fetch's hold, dropped when it lands; for a load, also the load's own, dropped by
+        # the load (_release_host).
+        slots = self._take_host(len(ids), busy_delta=2 if for_load else 1)
         if not slots:
             return []
         ids = ids[: len(slots)]
         host.bind_all(slots, ids)
-        host.hold_all(slots)  # the fetch's hold, dropped when it lands
-        if for_load:
-            host.hold_all(slots)  # the load's hold, dropped by the load (_release_host)
         buffers = [tier.page(s) for s in slots]
 
         def apply(ok: list[bool], error, seconds: float) -> None:
@@ -1063,21 +1084,43 @@ class TieredPool:
             return clean
         return clean + self._start_copy_down(moving, [dev.id_of(slot) for slot in moving], evicting)
 
-    def _start_copy_down(self, moving: list[int], ids: list[bytes], evicting: bool) -> list[int]:
+    def _offload_loop(self) -> None:
+        """The offload thread: starts the write-through copies that commits queued."""
+        dev = self._dev
+        with self._lock:
+            while True:
+                while not self._pending_down and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return  # close flushed every dirty page first
+                batches, self._pending_down = self._pending_down, []
+                for slots, ids, ready in batches:
+                    get = dev.table.get
+                    live = [(s, k) for s, k in zip(slots, ids)
+                            if dev.state[s] == S.DIRTY and not dev.busy[s] and get(k) == s]
+                    if not live:
+                        continue
+                    try:
+                        self._start_copy_down([s for s, _ in live], [k for _, k in live], evicting=False, ready=ready)
+                    except Exception:  # the pages stay dirty: eviction or flush copies them
+                        log.exception("write-through copy of %d pages failed to start", len(live))
+                self._changed.notify_all()
+
+    def _start_copy_down(self, moving: list[int], ids: list[bytes], evicting: bool, ready=None) -> list[int]:
         """Copy dirty device pages that the host tier does not hold (`ids` are their keys) into
-        as many host slots as there is room for now; returns the device slots whose copy started."""
+        as many host slots as there is room for now; returns the device slots whose copy started.
+        The copy waits for `ready` (default: the latest commit's event)."""
         dev, host = self._dev, self._host
-        host_slots = self._take_host(len(moving))
+        host_slots = self._take_host(len(moving), busy_delta=1)
         moving = moving[: len(host_slots)]
         if not moving:
             return []
         host.bind_all(host_slots, ids[: len(host_slots)])
         dev.set_states(moving, S.OFFLOADING, busy_delta=1)
-        host.hold_all(host_slots)
         if evicting:
             for slot in moving:
                 self._evicting[slot] = 1
-        ticket = self.engine.offload(moving, host_slots, ready=self._ready)
+        ticket = self.engine.offload(moving, host_slots, ready=self._ready if ready is None else ready)
 
         def finish() -> None:
             failed = set(ticket.failed_positions())
@@ -1130,17 +1173,20 @@ class TieredPool:
             self._copy_down(ready, evicting=False)
 
     def _reload(self, host_slots: list[int], dev_slots: list[int], ids: list[bytes], keyed: list[bool]) -> Ticket:
-        """Copy host pages into device slots (FILLING, held by the caller). Keyed targets become
-        LOADING pages of their key until the copy lands; the others stay private copies."""
+        """Copy host pages (held busy by the caller, whose holds the copy takes over) into device
+        slots (FILLING, held by the caller). Keyed targets become LOADING pages of their key
+        until the copy lands; the others stay private copies."""
         dev, host = self._dev, self._host
-        bind = [(s, k) for s, k, b in zip(dev_slots, ids, keyed) if b]
-        dev.bind_all([s for s, _ in bind], [k for _, k in bind])
-        dev.set_states([s for s, _ in bind], S.LOADING, busy_delta=1)
-        private = [s for s, b in zip(dev_slots, keyed) if not b]
-        dev.hold_all(private)
-        host.hold_all(host_slots)
+        if all(keyed):
+            landing, private = dev_slots, []
+            dev.bind_all(dev_slots, ids)
+        else:
+            landing = [s for s, b in zip(dev_slots, keyed) if b]
+            private = [s for s, b in zip(dev_slots, keyed) if not b]
+            dev.bind_all(landing, [k for k, b in zip(ids, keyed) if b])
+            dev.hold_all(private)
+        dev.set_states(landing, S.LOADING, busy_delta=1)
         ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
-        landing = [s for s, _ in bind]
         for slot in landing:
             self._dev_landing[slot] = ticket
 
