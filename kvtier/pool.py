@@ -102,13 +102,16 @@ class TieredPool:
     remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
     RemoteStore the caller owns (same page size and namespace as this pool).
     host_bytes, when given, sizes the host tier in bytes (whole pages) instead of host_pages.
+    device_kv / device_scales: the serving engine's own KV tensors (see DeviceTier: (K, V)
+    or (latent, None), stacked or per-layer lists); device_pages and device then come from
+    them. Without them the pool allocates device_pages (default 1024) on device (default cpu).
     """
 
     def __init__(
         self,
         fmt: PageFormat,
-        device: str | torch.device = "cpu",
-        device_pages: int = 1024,
+        device: str | torch.device | None = None,
+        device_pages: int | None = None,
         host_pages: int = 4096,
         write_policy: str = "write_through",
         eviction: str = "lru",
@@ -123,6 +126,8 @@ class TieredPool:
         remote_capacity_bytes: int | None = None,
         remote_queue_depth: int = 64,
         host_bytes: int | None = None,
+        device_kv=None,
+        device_scales=None,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
@@ -134,7 +139,10 @@ class TieredPool:
         self.write_policy = WritePolicy(write_policy)
         self.namespace = Namespace(model, fmt.fingerprint, rank)
         self.name = name or next_pool_name()
-        self.device_tier = DeviceTier(fmt, device_pages, device)
+        if device_pages is None and device_kv is None:
+            device_pages = 1024
+        self.device_tier = DeviceTier(fmt, device_pages, device, kv=device_kv, scales=device_scales)
+        device_pages = self.device_tier.num_pages
         self.host_tier = HostTier(fmt, host_pages)
         self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
         self._dev = TierIndex("device", device_pages, make_policy(eviction))

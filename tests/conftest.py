@@ -31,32 +31,36 @@ def small_format(dtype="fp8_e4m3", scale="per_page_head", **kw) -> PageFormat:
 def fill_random(pool, slots, gen: torch.Generator) -> None:
     """Write random pages (and positive random scales) into device `slots`, as an engine would."""
     dev = pool.device_tier
-    idx = torch.as_tensor(slots, dtype=torch.int64)
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=dev.device)
     shape = (len(slots), *pool.fmt.plane_shape)
     for layer, plane in itertools.product(range(pool.fmt.num_layers), range(pool.fmt.planes)):
         values = torch.randn(shape, generator=gen) * 4
-        raw = values.to(dev.kv.dtype).view(len(slots), -1).view(torch.uint8)
-        dev.raw_plane(layer, plane).index_copy_(0, idx, raw)
-        if dev.scales is not None:
+        raw = values.to(pool.fmt.device_torch_dtype).view(len(slots), -1).view(torch.uint8)
+        dev.raw_plane(layer, plane).index_copy_(0, idx, raw.to(dev.device))
+        if dev.has_scales:
             scales = torch.rand((len(slots), *pool.fmt.scale_shape), generator=gen) + 0.01
-            dev.scales[layer, plane].index_copy_(0, idx, scales)
+            dev.scale_plane(layer, plane).index_copy_(0, idx, scales.to(dev.device))
 
 
 def snapshot(pool, slot: int) -> tuple[bytes, bytes]:
     """Exact bytes of one device page: data of every layer and plane, and its scales."""
-    dev = pool.device_tier
-    data = dev.kv[:, :, slot].contiguous().view(torch.uint8).numpy().tobytes()
-    scales = b"" if dev.scales is None else dev.scales[:, :, slot].contiguous().numpy().tobytes()
+    dev, fmt = pool.device_tier, pool.fmt
+    planes = list(itertools.product(range(fmt.num_layers), range(fmt.planes)))
+    data = b"".join(dev.raw_plane(layer, plane)[slot].cpu().numpy().tobytes() for layer, plane in planes)
+    scales = b""
+    if dev.has_scales:
+        scales = b"".join(dev.scale_plane(layer, plane)[slot].cpu().numpy().tobytes() for layer, plane in planes)
     return data, scales
 
 
 def poison(pool, slots) -> None:
     """Fill device slots with 0xFF bytes (NaN in every float dtype) before a copy lands."""
-    dev = pool.device_tier
-    for slot in slots:
-        dev.kv[:, :, slot].view(torch.uint8).fill_(0xFF)
-        if dev.scales is not None:
-            dev.scales[:, :, slot] = float("nan")
+    dev, fmt = pool.device_tier, pool.fmt
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=dev.device)
+    for layer, plane in itertools.product(range(fmt.num_layers), range(fmt.planes)):
+        dev.raw_plane(layer, plane)[idx] = 0xFF
+        if dev.has_scales:
+            dev.scale_plane(layer, plane)[idx] = float("nan")
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
 """The torch copy engine: the CPU twin of the CUDA engine and the reference it is tested against.
 
 Owns page copies between a DeviceTier and a HostTier done with plain torch indexing, one
-(layer, plane) at a time, synchronously. Pass-through copies move raw bytes (uint8 views),
-so fp8 data and fp32 scales round-trip bit for bit; converting formats quantize on offload
-and upcast on reload with kvtier.format.codec. It must never keep state between calls.
+(layer, plane) at a time through the tier's accessors (so pool- and engine-owned device
+memory alike), synchronously. Pass-through copies move raw bytes (uint8 views), so fp8
+data and fp32 scales round-trip bit for bit; converting formats quantize on offload and
+upcast on reload with kvtier.format.codec. It must never keep state between calls.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ class TorchEngine(TransferEngine):
         for layer in range(fmt.num_layers):
             for plane in range(fmt.planes):
                 if fmt.converts:
-                    pages = dev.kv[layer, plane].index_select(0, di)
+                    pages = dev.plane(layer, plane).index_select(0, di)
                     q, s = quantize(pages, fmt.dtype, fmt.scale, fmt.layout)
                     host.raw_plane(layer, plane)[hi] = q.view(torch.uint8).reshape(len(hi), -1).to(host.buffer.device)
                     host.scale_view(layer, plane)[hi] = s.to(host.buffer.device)
                     continue
                 host.raw_plane(layer, plane)[hi] = dev.raw_plane(layer, plane).index_select(0, di).to(host.buffer.device)
                 if fmt.has_scales:
-                    host.scale_view(layer, plane)[hi] = dev.scales[layer, plane].index_select(0, di).to(host.buffer.device)
+                    host.scale_view(layer, plane)[hi] = dev.scale_plane(layer, plane).index_select(0, di).to(host.buffer.device)
         return DoneTicket(fmt.num_layers)
 
     def reload(self, host_slots, device_slots, ready=None) -> Ticket:
@@ -54,21 +55,24 @@ class TorchEngine(TransferEngine):
                     q = host.data_view(layer, plane).index_select(0, hi)
                     s = host.scale_view(layer, plane).index_select(0, hi)
                     pages = dequantize(q, s, fmt.scale, fmt.layout, fmt.device_torch_dtype)
-                    dev.kv[layer, plane].index_copy_(0, di, pages.to(dev.device))
+                    dev.plane(layer, plane).index_copy_(0, di, pages.to(dev.device))
                 else:
                     dev.raw_plane(layer, plane).index_copy_(0, di, host.raw_plane(layer, plane).index_select(0, hi).to(dev.device))
                     if fmt.device_has_scales:
-                        dev.scales[layer, plane].index_copy_(0, di, host.scale_view(layer, plane).index_select(0, hi).to(dev.device))
+                        dev.scale_plane(layer, plane).index_copy_(0, di, host.scale_view(layer, plane).index_select(0, hi).to(dev.device))
                 if self.transform is not None:
-                    self.transform(layer, plane, dev.kv[layer, plane], di)
+                    self.transform(layer, plane, dev.plane(layer, plane), di)
         return DoneTicket(fmt.num_layers)
 
     def device_copy(self, src_slots, dst_slots) -> Ticket:
         dev = self.device_tier
         si = self._index(src_slots, dev.device)
         di = self._index(dst_slots, dev.device)
-        raw = dev.raw_pages()
-        raw.index_copy_(2, di, raw.index_select(2, si))
-        if dev.scales is not None:
-            dev.scales.index_copy_(2, di, dev.scales.index_select(2, si))
+        for layer in range(self.fmt.num_layers):
+            for plane in range(self.fmt.planes):
+                raw = dev.raw_plane(layer, plane)  # bytes: index_copy_ has no fp8 kernels
+                raw.index_copy_(0, di, raw.index_select(0, si))
+                if dev.has_scales:
+                    scales = dev.scale_plane(layer, plane)
+                    scales.index_copy_(0, di, scales.index_select(0, si))
         return DoneTicket(self.fmt.num_layers)
