@@ -62,15 +62,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _decode_split(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -81,6 +74,7 @@ def _decode_split(
     stride_ptb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_outb, stride_outh,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -89,8 +83,12 @@ def _decode_split(
     FP8: tl.constexpr,
     SCALED: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
-    """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp."""
+    """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
+
+    SINGLE (one split covers every sequence): the output itself, and no merge follows.
+    """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,7 +121,10 @@ def _decode_split(
                 v = v.to(tl.float8e5, bitcast=True)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-            score = _dot(q, tl.trans(k), DOT_F32)
+            if DOT_F32:
+                score = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                score = tl.dot(q, tl.trans(k))
             if SCALED:
                 k_scale = tl.load(KS + page * stride_ksp + row * stride_kst + kvh * stride_ksh, mask=live, other=0.0)
                 score = score * (k_scale * qk_scale)[None, :]
@@ -137,11 +138,19 @@ def _decode_split(
             if SCALED:
                 v_scale = tl.load(VS + page * stride_vsp + row * stride_vst + kvh * stride_vsh, mask=live, other=0.0)
                 p = p * v_scale[None, :]
-            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_F32)
+            p = p.to(q.dtype)
+            if DOT_F32:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v)
             m = m_new
-        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-        tl.store(o_ptr, acc / s[:, None], mask=mask_h[:, None])
-        tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+        if SINGLE:
+            o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
+            tl.store(o_ptr, (acc / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        else:
+            o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+            tl.store(o_ptr, acc / s[:, None], mask=mask_h[:, None])
+            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
 
 
 @triton.jit
@@ -318,8 +327,10 @@ def paged_decode_attention(
         return out
     max_tokens = page_table.shape[1] * page_size
     splits, per_split = split_plan(batch, heads, max_tokens, block_n, num_splits)
-    mid_o = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+    single = splits == 1
+    mid_shape = (1, 1, 1) if single else (batch, q_heads, splits)
+    mid_o = torch.empty((*mid_shape, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     scaled = scale != "none"
     fp8 = FP8_KINDS.get(k_pages.dtype, 0)
     k_arg = k_pages.view(torch.uint8) if fp8 else k_pages
@@ -331,7 +342,7 @@ def paged_decode_attention(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     _decode_split[(batch, heads, splits)](
-        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse,
+        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out,
         sm_scale * LOG2E,
         per_split,
         q.stride(0), q.stride(1),
@@ -342,6 +353,7 @@ def paged_decode_attention(
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -350,9 +362,12 @@ def paged_decode_attention(
         FP8=fp8,
         SCALED=scaled,
         DOT_F32=INTERPRETED,
+        SINGLE=single,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if single:
+        return out
     _merge_splits[(batch, q_heads)](
         mid_o, mid_lse, seq_lens, out,
         per_split,
