@@ -140,19 +140,21 @@ class PagedKV:
 
 
 class TinyDecoder:
-    """A decoder-only transformer with random weights; every matmul in bf16 on `device`."""
+    """A decoder-only transformer with random weights (drawn from config.seed on `device`); matmuls in bf16."""
 
     def __init__(self, config: DecoderConfig, device: str | torch.device = "cpu") -> None:
         self.config = c = config
         self.device = torch.device(device)
-        gen = torch.Generator().manual_seed(c.seed)
+        # Drawn on the device itself (a large model's weights take seconds to draw on a CPU), so
+        # one seed gives one model per device type.
+        gen = torch.Generator(device=self.device).manual_seed(c.seed)
 
         def weight(*shape, std=None):
             std = 1.0 / math.sqrt(shape[-1]) if std is None else std
-            return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16).to(self.device)
+            return (torch.randn(shape, generator=gen, device=self.device) * std).to(torch.bfloat16)
 
         def norm():
-            return (1.0 + 0.1 * torch.randn(c.hidden, generator=gen)).to(torch.bfloat16).to(self.device)
+            return (1.0 + 0.1 * torch.randn(c.hidden, generator=gen, device=self.device)).to(torch.bfloat16)
 
         self.embed = weight(c.vocab, c.hidden, std=1.0)
         self.layers = []
@@ -247,20 +249,25 @@ class TinyDecoder:
             if wait_layer is not None:
                 wait_layer(i)
             keys, values = kv.read_tokens(i, slots[: start // page + pages], end)
+            # Query heads get their kv head's copy: SDPA's fused kernels (flash for the causal
+            # case) take equal head counts, and its fallback would hold a tokens x tokens matrix.
+            group = c.q_heads // c.kv_heads
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+                attn_mask=mask, is_causal=mask is None,
             )[0].transpose(0, 1)
             x = self._finish_layer(layer, x, attn)
         return self.logits(x[-1:])[0]
 
     def decode(self, kv: PagedKV, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-               tails: torch.Tensor) -> torch.Tensor:
+               tails: torch.Tensor, wait_layer=None) -> torch.Tensor:
         """One token per sequence: tokens / positions (batch,) int64, page_table int32 (batch, max_pages).
 
         Each token's KV goes into row `position % page_size` of its sequence's `tails`
         (layers, 2, batch, page_size, kv_heads, head_dim), and the page is re-quantized from it;
-        a tail whose page filled is zeroed for the next page.
+        a tail whose page filled is zeroed for the next page. `wait_layer(i)`, when given, is
+        called before layer i's attention reads the pages (pages still arriving from a load).
         Returns float32 logits (batch, vocab).
         """
         c, page = self.config, kv.fmt.page_size
@@ -275,6 +282,8 @@ class TinyDecoder:
             tails[i, 0, index, rows] = k
             tails[i, 1, index, rows] = v
             kv.write_pages(i, slots, tails[i, 0], tails[i, 1])
+            if wait_layer is not None:
+                wait_layer(i)
             attn = kv.attend(i, q, page_table, seq_lens)
             x = self._finish_layer(layer, x, attn)
         # A page that just filled is done; its sequence's next token starts a fresh tail.

@@ -37,11 +37,13 @@ class Request:
 
 @dataclass
 class Completion:
-    """What one request produced: its tokens, the prompt's hits, and (when kept) each token's logits."""
+    """What one request produced: its tokens, the prompt's hits, its time to first token (from
+    the match to the first token on the host) and, when kept, each token's logits."""
 
     request: Request
     tokens: list[int]
     hit: MatchResult
+    ttft_s: float
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -79,6 +81,7 @@ class _Sequence:
         self.hit = hit
         self.tail = tail
         self.committed = 0  # leading pages committed (hits count as committed)
+        self.ttft_s = 0.0
         self.logits: list[torch.Tensor] = []
 
     @property
@@ -123,7 +126,9 @@ class DecodeRunner:
                     self._commit(seq, (len(seq.tokens) - 1) // self.page_size)
                     wave.pop(0)
                     self._pool_call(self.pool.release, seq.slots)
-                    out.append(Completion(seq.request, seq.tokens[len(seq.request.prompt) :], seq.hit, seq.logits))
+                    out.append(
+                        Completion(seq.request, seq.tokens[len(seq.request.prompt) :], seq.hit, seq.ttft_s, seq.logits)
+                    )
             except BaseException:
                 # Pages the wave still holds go back to the pool: a failed wave must not shrink it.
                 for seq in wave:
@@ -150,6 +155,7 @@ class DecodeRunner:
 
     def _prefill(self, request: Request) -> _Sequence:
         page, pool, model = self.page_size, self.pool, self.model
+        started = time.perf_counter()
         prompt = list(request.prompt)
         # The last prompt token is always computed: its logits give the first new token.
         wanted = self._keys(prompt[:-1])
@@ -171,6 +177,7 @@ class DecodeRunner:
             tokens = torch.as_tensor(prompt[start:], dtype=torch.int64, device=self.kv.device)
             logits = model.prefill(self.kv, tokens, start, slots, tail, wait_layer=self._waiter(handle))
             self._take(seq, int(logits.argmax()), logits)
+            seq.ttft_s = time.perf_counter() - started
             self._commit(seq, len(prompt) // page)
         except BaseException:
             self._pool_call(pool.release, seq.slots)
