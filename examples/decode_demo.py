@@ -17,6 +17,7 @@ skips it), and the tokens must match exactly.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -33,12 +34,12 @@ SIZES = {
     "cpu": dict(
         model=DecoderConfig(vocab=512, hidden=256, layers=4, q_heads=8, kv_heads=2, head_dim=64, ffn=512),
         page_size=16, requests=12, batch=2, system_prompts=4, system_tokens=128, user_tokens=24, new_tokens=6,
-        device_pages=24, host_pages=32,
+        skew=0.0, device_pages=24, host_pages=32,
     ),
     "cuda": dict(
         model=DecoderConfig(vocab=32000, hidden=2048, layers=8, q_heads=16, kv_heads=4, head_dim=128, ffn=5632),
-        page_size=16, requests=96, batch=16, system_prompts=6, system_tokens=4096, user_tokens=256, new_tokens=64,
-        device_pages=6144, host_pages=4096,
+        page_size=16, requests=96, batch=16, system_prompts=48, system_tokens=2048, user_tokens=256, new_tokens=32,
+        skew=1.0, device_pages=2560, host_pages=3072,
     ),
 }
 
@@ -76,12 +77,13 @@ def report(stats: RunStats, pool_stats: dict, cuda: bool) -> None:
         moved = pool_stats["bytes_moved"].get(direction, 0)
         pages = pool_stats["pages_moved"].get(direction, 0)
         print(f"  {direction:<17} {pages:>7} pages {moved / 2**20:10.1f} MiB")
-    where = "copies run inside these calls on the CPU twin" if not cuda else "host time; copies run on their own streams"
-    print("time:")
-    print(f"  compute (model, attention kernel)   {stats.compute_s:8.2f} s")
-    print(f"  pool calls ({where}) {stats.pool_s:8.2f} s")
+    where = "the CPU twin copies inside them" if not cuda else "host time; copies run on their own streams"
+    lines = [("compute (model and attention kernel)", stats.compute_s), (f"pool calls ({where})", stats.pool_s)]
     if cuda:
-        print(f"  compute stream waiting at wait_layer {stats.stall_s:8.3f} s (device time)")
+        lines.append(("  of which the compute stream waited at wait_layer (device)", stats.stall_s))
+    print("time:")
+    for label, seconds in lines:
+        print(f"  {label:<58} {seconds:8.3f} s")
 
 
 def main() -> None:
@@ -103,8 +105,11 @@ def main() -> None:
     model = TinyDecoder(sizes["model"], args.device)
     requests = shared_prefix_workload(
         sizes["requests"], sizes["system_prompts"], sizes["system_tokens"], sizes["user_tokens"],
-        sizes["new_tokens"], sizes["model"].vocab,
+        sizes["new_tokens"], sizes["model"].vocab, skew=sizes["skew"],
     )
+    if not args.no_remote and importlib.util.find_spec("nixl_cu13") is None:
+        print("remote tier off: nixl_cu13 is not installed (pip install kvtier[nixl])")
+        args.no_remote = True
     with tempfile.TemporaryDirectory() as tmp:
         remote = None if args.no_remote else (args.remote or tmp)
         kv, pool = build(
@@ -114,8 +119,9 @@ def main() -> None:
         print(f"pages: {pool.fmt.describe()}")
         print(f"tiers: device {kv.num_pages} pages, host {sizes['host_pages']} pages, "
               f"remote {'off' if remote is None else remote}; {'CUDA' if cuda else 'CPU, Triton interpreter'}")
+        pick = f"Zipf-drawn (skew {sizes['skew']})" if sizes["skew"] else "round robin"
         print(f"workload: {len(requests)} requests in waves of {sizes['batch']}, {sizes['system_prompts']} system "
-              f"prompts of {sizes['system_tokens']} tokens, {sizes['user_tokens']} user tokens, "
+              f"prompts of {sizes['system_tokens']} tokens ({pick}), {sizes['user_tokens']} user tokens, "
               f"{sizes['new_tokens']} new tokens each")
         with pool:
             runner = DecodeRunner(model, kv, pool)

@@ -253,12 +253,24 @@ def shared_prefix_workload(
     max_new_tokens: int,
     vocab: int,
     seed: int = 0,
+    skew: float = 0.0,
 ) -> list[Request]:
-    """Requests that reuse a few long system prompts, round robin, each with its own user turn."""
+    """Requests that reuse a few long system prompts, each with its own user turn.
+
+    skew=0 takes the system prompts round robin; skew > 0 draws them with Zipf weights
+    1 / rank**skew, so a few prompts are hot and the rest come back rarely.
+    """
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew!r}")
     gen = torch.Generator().manual_seed(seed)
     systems = [torch.randint(vocab, (system_tokens,), generator=gen).tolist() for _ in range(system_prompts)]
+    if skew:
+        weights = torch.arange(1, system_prompts + 1, dtype=torch.float64) ** -skew
+        order = torch.multinomial(weights, num_requests, replacement=True, generator=gen).tolist()
+    else:
+        order = [i % system_prompts for i in range(num_requests)]
     requests = []
-    for i in range(num_requests):
+    for app in order:
         user = torch.randint(vocab, (user_tokens,), generator=gen).tolist()
-        requests.append(Request(tuple(systems[i % system_prompts] + user), max_new_tokens))
+        requests.append(Request(tuple(systems[app] + user), max_new_tokens))
     return requests
