@@ -205,14 +205,16 @@ def gpu_limits(nbytes: int, repeats: int) -> dict:
 
 def gpu_paths() -> list[str]:
     from kvtier.transfer import native
-    from kvtier.transfer.cuda_engine import _batch_memcpy
+    from kvtier.transfer.cuda import driver
+    from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
 
+    kernels = native.cupy_available() and driver.available()
     paths = []
-    if native.cupy_available():
+    if kernels:
         paths.append("kernel")
-    if _batch_memcpy() is not None:
+    if batch_memcpy_runtime() is not None:
         paths.append("copy_engine")
-        if native.cupy_available():
+        if kernels:
             paths.append("staged")
     paths.append("torch")
     return paths

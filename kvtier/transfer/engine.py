@@ -18,6 +18,9 @@ Ordering rules every engine keeps:
   `wait_layer`) before they read copied slots.
 - The pool reuses a source or destination slot only after `Ticket.done()` says the copy
   finished; engines never hold slots past that.
+- An offload that cannot encode a page (NaN or infinity under fp8 storage) still completes
+  the rest of its batch and names the page in `Ticket.failed_positions()`; it never raises
+  for it and never writes a scale that would decode it as numbers.
 """
 
 from __future__ import annotations
@@ -53,12 +56,22 @@ class Ticket(ABC):
     def wait_layer(self, layer: int) -> None:
         """Order the caller's current stream after layer `layer` of the copy only."""
 
+    def failed_positions(self) -> list[int]:
+        """Positions in the batch whose page could not be encoded (valid once `done()`).
+
+        An offload that quantizes refuses a page holding a NaN or an infinity: that page's
+        host record is left with unspecified contents and must not be published, while the
+        rest of the batch completes. Always empty for copies that do not convert.
+        """
+        return []
+
 
 class DoneTicket(Ticket):
     """A copy that already finished when it was submitted (the synchronous CPU twin)."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, failed: list[int] | None = None) -> None:
         self.num_layers = num_layers
+        self._failed = failed or []
 
     def done(self) -> bool:
         return True
@@ -72,6 +85,9 @@ class DoneTicket(Ticket):
     def wait_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    def failed_positions(self) -> list[int]:
+        return list(self._failed)
 
 
 class TransferEngine(ABC):

@@ -3,7 +3,7 @@
 Owns finding the kernel sources, compiling each once per device with the options that keep
 the fp8 conversions bit-exact (IEEE division, no flush to zero, no fused multiply-add), and
 handing out kernel functions and CuPy views of torch streams. It must never launch a kernel,
-allocate device memory or decide which kernel runs: kvtier.transfer.cuda_engine does.
+allocate device memory or decide which kernel runs: kvtier.transfer.cuda does.
 
 CuPy (>= 14, for Stream.from_external) is imported inside functions only, so kvtier imports
 on machines without it. The
@@ -13,6 +13,7 @@ at that same relative place.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 NATIVE_DIRS = (Path(__file__).resolve().parents[2] / "native", Path(sys.prefix) / "share" / "kvtier" / "native")
 COMPILE_OPTIONS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false")
 MODULES = ("page_copy", "page_convert")
+INCLUDE = re.compile(r'^#include "(\w+\.cu)"$')
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], object] = {}
@@ -40,14 +42,27 @@ def cupy_available() -> bool:
         return False
 
 
-def source(module: str) -> str:
-    if module not in MODULES:
-        raise ValueError(f"native module must be one of {MODULES}, got {module!r}")
+def _read(name: str) -> str:
     for folder in NATIVE_DIRS:
-        path = folder / f"{module}.cu"
+        path = folder / name
         if path.is_file():
             return path.read_text()
-    raise FileNotFoundError(f"kvtier CUDA source {module}.cu is missing; looked in {[str(d) for d in NATIVE_DIRS]}")
+    raise FileNotFoundError(f"kvtier CUDA source {name} is missing; looked in {[str(d) for d in NATIVE_DIRS]}")
+
+
+def source(module: str) -> str:
+    """The source of native/<module>.cu with its `#include "x.cu"` lines replaced by those files.
+
+    Inlined here rather than found by NVRTC through an include path, so the text compiled is
+    exactly what this returns (the CPU emulator compiles the same text).
+    """
+    if module not in MODULES:
+        raise ValueError(f"native module must be one of {MODULES}, got {module!r}")
+    lines = []
+    for line in _read(f"{module}.cu").splitlines():
+        match = INCLUDE.match(line)
+        lines.append(_read(match.group(1)) if match else line)
+    return "\n".join(lines) + "\n"
 
 
 def kernel(device_index: int, module: str, name: str):

@@ -4,7 +4,8 @@ Owns page copies between a DeviceTier and a HostTier done with plain torch index
 (layer, plane) at a time through the tier's accessors (so pool- and engine-owned device
 memory alike), synchronously. Pass-through copies move raw bytes (uint8 views), so fp8
 data and fp32 scales round-trip bit for bit; converting formats quantize on offload and
-upcast on reload with kvtier.format.codec. It must never keep state between calls.
+upcast on reload with kvtier.format.codec; a page holding a NaN or an infinity is left out
+of a quantizing offload and reported by its ticket. It must never keep state between calls.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class TorchEngine(TransferEngine):
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
         di = self._index(device_slots, dev.device)
         hi = self._index(host_slots, host.buffer.device)
+        failed = []
+        if fmt.converts:
+            failed = encodable_pages(dev, di).logical_not().nonzero().flatten().tolist()
+            if failed:
+                keep = self._index(sorted(set(range(len(device_slots))) - set(failed)), dev.device)
+                di, hi = di[keep], hi[keep.to(hi.device)]
+            if di.numel() == 0:
+                return DoneTicket(fmt.num_layers, failed)
         for layer in range(fmt.num_layers):
             for plane in range(fmt.planes):
                 if fmt.converts:
@@ -43,7 +52,7 @@ class TorchEngine(TransferEngine):
                 host.raw_plane(layer, plane)[hi] = dev.raw_plane(layer, plane).index_select(0, di).to(host.buffer.device)
                 if fmt.has_scales:
                     host.scale_view(layer, plane)[hi] = dev.scale_plane(layer, plane).index_select(0, di).to(host.buffer.device)
-        return DoneTicket(fmt.num_layers)
+        return DoneTicket(fmt.num_layers, failed)
 
     def reload(self, host_slots, device_slots, ready=None) -> Ticket:
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
@@ -76,3 +85,13 @@ class TorchEngine(TransferEngine):
                     scales = dev.scale_plane(layer, plane)
                     scales.index_copy_(0, di, scales.index_select(0, si))
         return DoneTicket(self.fmt.num_layers)
+
+
+def encodable_pages(dev: DeviceTier, slots: torch.Tensor) -> torch.Tensor:
+    """Bool per entry of `slots`: the page holds no NaN or infinity in any layer or plane."""
+    fmt = dev.fmt
+    ok = torch.ones(slots.numel(), dtype=torch.bool, device=dev.device)
+    for layer in range(fmt.num_layers):
+        for plane in range(fmt.planes):
+            ok &= torch.isfinite(dev.plane(layer, plane).index_select(0, slots)).flatten(1).all(dim=1)
+    return ok

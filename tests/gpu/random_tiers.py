@@ -7,16 +7,23 @@ from kvtier.tiers import DeviceTier, HostTier
 
 
 def fill_random(dev: DeviceTier, host: HostTier, gen: torch.Generator) -> None:
-    """Random, never-zero contents on CPU tiers: values for wide dtypes, valid fp8 codes, scales > 0."""
+    """Random, never-zero contents on CPU tiers: values for wide dtypes, valid fp8 codes, scales > 0.
+
+    Goes through the tier's accessors, so pool-owned and engine-owned device tiers fill alike.
+    """
     fmt = dev.fmt
-    if fmt.device_dtype in ("bf16", "fp16"):
-        magnitude = torch.rand(dev.kv.shape, generator=gen) * 3 + 0.01
-        sign = torch.randint(0, 2, dev.kv.shape, generator=gen) * 2 - 1
-        dev.kv.copy_((magnitude * sign).to(dev.kv.dtype))
-    else:
-        dev.kv.view(torch.uint8).copy_(torch.randint(0, 256, dev.kv.shape, generator=gen, dtype=torch.uint8))
-    if dev.scales is not None:
-        dev.scales.copy_(torch.rand(dev.scales.shape, generator=gen) + 0.5)
+    for layer in range(fmt.num_layers):
+        for plane in range(fmt.planes):
+            pages = dev.plane(layer, plane)
+            if fmt.device_dtype in ("bf16", "fp16"):
+                magnitude = torch.rand(pages.shape, generator=gen) * 3 + 0.01
+                sign = torch.randint(0, 2, pages.shape, generator=gen) * 2 - 1
+                pages.copy_((magnitude * sign).to(pages.dtype))
+            else:
+                pages.view(torch.uint8).copy_(torch.randint(0, 256, pages.shape, generator=gen, dtype=torch.uint8))
+            if dev.has_scales:
+                scales = dev.scale_plane(layer, plane)
+                scales.copy_(torch.rand(scales.shape, generator=gen) + 0.5)
     host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=gen, dtype=torch.uint8))
     if fmt.has_scales:
         fmax = FP8_MAX[fmt.dtype]

@@ -2,7 +2,9 @@
 
 Each format below selects different kernels of native/: copy widths 16/8/4/2/1 bytes,
 fused upcast and quantize with 16 and 1 elements per thread, e4m3 and e5m2, bf16 and fp16,
-nhd and hnd, MLA, and device-to-device copies. Every copy is checked against TorchEngine
+nhd and hnd, MLA, and device-to-device copies, each as one all-layer launch with its flags
+and counters. The extra cases run engine-owned interleaved K/V, a quantize that refuses a
+NaN page, per-layer launches (a reload with a user transform) and the staged reload. Every copy is checked against TorchEngine
 on CPU twins, so a kernel that runs clean but writes wrong bytes still fails. Run it as
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize_case.py
 (without the caching allocator every tensor is its own allocation, so memcheck sees an
@@ -72,6 +74,44 @@ def run(fmt: PageFormat) -> list[str]:
     return failures
 
 
+def run_extra() -> list[str]:
+    failures = []
+    fmt = PageFormat(2, 2, 32, 4, dtype="fp8_e4m3", scale="per_page_head")
+    blocks = [torch.empty((DEVICE_PAGES, 2, *fmt.plane_shape), dtype=fmt.device_torch_dtype, device="cuda") for _ in range(2)]
+    kv = ([b[:, 0] for b in blocks], [b[:, 1] for b in blocks])
+    scales = tuple([torch.rand(DEVICE_PAGES, 2, device="cuda") + 0.5 for _ in range(2)] for _ in range(2))
+    dev, host = DeviceTier(fmt, kv=kv, scales=scales), HostTier(fmt, HOST_PAGES, pin=True)
+    for b in blocks:
+        b.view(torch.uint8).copy_(torch.randint(0, 120, b.shape, dtype=torch.uint8))
+    engine = CudaEngine(dev, host, path="kernel")
+    engine.offload([9, 0, 4], [11, 3, 0], ready=engine.record_ready()).synchronize()
+    engine.reload([11, 3, 0], [1, 2, 3]).synchronize()
+    engine.device_copy([1, 2], [8, 9]).synchronize()
+    if not torch.equal(dev.raw_plane(1, 1)[[8, 9]], dev.raw_plane(1, 1)[[1, 2]]):
+        failures.append("engine-owned round trip")
+    engine.close()
+    host.close()
+
+    fmt = PageFormat(2, 2, 32, 4, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")
+    dev, host = DeviceTier(fmt, DEVICE_PAGES, "cuda"), HostTier(fmt, HOST_PAGES, pin=True)
+    dev.kv.uniform_(-2, 2)
+    dev.kv[1, 0, 4, 0, 0, 0] = float("nan")
+    engine = CudaEngine(dev, host, path="kernel")
+    ticket = engine.offload([9, 4, 0], [11, 3, 0], ready=engine.record_ready())
+    ticket.synchronize()
+    if ticket.failed_positions() != [1]:
+        failures.append(f"nan page reported as {ticket.failed_positions()}")
+    engine.close()
+    engine = CudaEngine(dev, host, transform=lambda layer, plane, pages, slots: None, path="kernel")
+    engine.reload([11, 0], [2, 5]).synchronize()  # per-layer launches
+    engine.close()
+    engine = CudaEngine(dev, host, path="staged")
+    engine.reload([11, 0, 3], [2, 5, 9]).synchronize()
+    engine.close()
+    host.close()
+    return failures
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("sanitize_case: no CUDA device", file=sys.stderr)
@@ -81,6 +121,9 @@ def main() -> int:
         failures = run(fmt)
         print(f"{'FAIL' if failures else 'ok  '} {fmt.describe()} {' '.join(failures)}")
         bad += bool(failures)
+    failures = run_extra()
+    print(f"{'FAIL' if failures else 'ok  '} engine-owned, NaN page, per-layer, staged {' '.join(failures)}")
+    bad += bool(failures)
     return 1 if bad else 0
 
 

@@ -18,14 +18,16 @@ from kvtier.format import FP8_MAX, PageFormat, quantize
 from kvtier.format.codec import expand_scales
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import TorchEngine, native
-from kvtier.transfer.cuda_engine import CudaEngine, _batch_memcpy
+from kvtier.transfer.cuda import driver as cuda_driver
+from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
+from kvtier.transfer.cuda_engine import CudaEngine
 from tests.gpu.random_tiers import fill_random
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CudaEngine tests need a CUDA GPU")]
 
 HAS_CUDA = torch.cuda.is_available()
-HAS_CUPY = HAS_CUDA and native.cupy_available()
-HAS_BATCH_MEMCPY = HAS_CUDA and _batch_memcpy() is not None
+HAS_CUPY = HAS_CUDA and native.cupy_available() and cuda_driver.available()  # what the kernel path needs
+HAS_BATCH_MEMCPY = HAS_CUDA and batch_memcpy_runtime() is not None
 CAN_CONVERT = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)
 POISON = 0xFF
 DEVICE_PAGES = 48
@@ -59,7 +61,7 @@ CONVERTING = [
 def _path_marks(fmt: PageFormat, path: str) -> list:
     if path == "kernel":
         return [
-            pytest.mark.skipif(not HAS_CUPY, reason="kernel path needs CuPy"),
+            pytest.mark.skipif(not HAS_CUPY, reason="kernel path needs CuPy and cuda-bindings"),
             pytest.mark.skipif(fmt.converts and not CAN_CONVERT, reason="fp8 conversion kernels need sm_89+"),
         ]
     if path == "copy_engine":
@@ -456,7 +458,7 @@ def test_auto_path_and_launch_shape() -> None:
     if HAS_CUPY:
         shape = engine.last_launch
         assert shape is not None and 1 <= shape.blocks <= engine.max_blocks and shape.sms <= engine.sm_count
-        assert shape.threads == 256 and shape.kernel.startswith("copy_pages_w")
+        assert shape.threads == 256 and shape.kernel.startswith("copy_offload_w")
     engine.close()
     small.close()
 
@@ -472,7 +474,7 @@ def test_auto_path_and_launch_shape() -> None:
     engine.reload([0, 1], [2, 3]).synchronize()
     assert engine.last_path == ("kernel" if HAS_CUPY and CAN_CONVERT else "torch")
     if engine.last_path == "kernel":
-        assert engine.last_launch.blocks <= 3 and engine.last_launch.kernel.startswith("upcast_pages_e4m3_bf16")
+        assert engine.last_launch.blocks <= 3 and engine.last_launch.kernel.startswith("upcast_e4m3_bf16")
     with pytest.raises(ValueError, match="copy_engine"):
         CudaEngine(conv.dev, conv.host, path="copy_engine").offload([0], [0])
     engine.close()

@@ -1,0 +1,81 @@
+"""The copy-engine path: cudaMemcpyBatchAsync of every (page, layer, plane) piece, no SM used.
+
+Owns submitting pass-through copies to the GPU's copy engines through cuda.bindings'
+cudaMemcpyBatchAsync on a created stream (it rejects the legacy default stream): one call
+per transfer for offloads and device copies, one per layer for reloads (each followed by
+that layer's event, so layers become ready one by one). Address plans (the per-(layer,
+plane) bases and strides of both sides) are built once per engine and direction; a
+transfer only broadcasts its slots against them and merges pieces adjacent on both sides.
+It never slows the model, but it needs large pieces to reach PCIe speed and costs the host
+about 1-3 us per piece plus one call and one event per layer, which is why the engine takes
+it only for large transfers of large pieces (engine.py, COPY_ENGINE_*).
+It must never convert dtypes or choose which pages move.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.format import PageFormat
+from kvtier.transfer.cuda import plans
+
+# cudaMemcpyFlagPreferOverlapWithCompute pays off only for small copies: cudf measured the
+# crossover at 128 KiB on GB300, GB10 and an RTX PRO GPU (cudf pull request #23675). Not yet
+# measured on the H200: the bandwidth benchmark's copy_engine rows are where to check it.
+PREFER_OVERLAP_MAX_COPY = 128 * 1024
+
+
+def batch_memcpy_runtime():
+    """cuda.bindings' runtime module when it has cudaMemcpyBatchAsync, else None."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return None
+    return runtime if hasattr(runtime, "cudaMemcpyBatchAsync") else None
+
+
+class CopyEnginePath:
+    """Batched copy-engine copies over one engine's tiers (runtime: cuda.bindings.runtime)."""
+
+    def __init__(self, fmt: PageFormat, table: np.ndarray, records: int, runtime) -> None:
+        self.fmt = fmt
+        self.runtime = runtime
+        self._plans = {
+            direction: plans.piece_plans(fmt, table, records, direction)
+            for direction in (("device",) if fmt.converts else plans.DIRECTIONS)
+        }
+        self._attributes: dict[bool, object] = {}
+
+    def pieces(self, direction: str, layers: range, src: np.ndarray, dst: np.ndarray) -> list[tuple]:
+        """(dst, src, sizes) of every piece of `layers`, one entry per plan (data, scales)."""
+        planes = self.fmt.planes
+        return [plans.expand_pieces(plan, planes, layers, src, dst) for plan in self._plans[direction]]
+
+    def copy(self, stream_handle: int, expanded: list[tuple]) -> None:
+        runtime = self.runtime
+        # Runs merge within one plan only: a run across the pages and the scales could
+        # straddle two allocations, which cudaMemcpyBatchAsync rejects.
+        merged = [plans.merge_runs(*part) for part in expanded]
+        dst, src, sizes = (np.concatenate(column) for column in zip(*merged))
+        prefer_overlap = int(sizes.max()) <= PREFER_OVERLAP_MAX_COPY
+        attributes = self._attributes.get(prefer_overlap)
+        if attributes is None:
+            attributes = runtime.cudaMemcpyAttributes()
+            attributes.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            attributes.flags = (
+                runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+                if prefer_overlap
+                else runtime.cudaMemcpyFlags.cudaMemcpyFlagDefault
+            )
+            self._attributes[prefer_overlap] = attributes
+        count = int(dst.size)
+        result = runtime.cudaMemcpyBatchAsync(
+            dst.tolist(), src.tolist(), sizes.tolist(), count, [attributes], [0], 1, stream_handle
+        )
+        error = result[0]
+        if error != runtime.cudaError_t.cudaSuccess:
+            _, text = runtime.cudaGetErrorString(error)
+            raise RuntimeError(
+                f"cudaMemcpyBatchAsync of {count} copies on stream {stream_handle:#x} failed: "
+                f"{error.name} ({text.decode()})"
+            )
