@@ -7,7 +7,7 @@ and scale bytes the kernel must read over its median time (triton.testing.do_ben
 before every call). The copy rate is `dst.copy_(src)` of 1 GiB, counted as bytes read plus
 bytes written (the HBM traffic a copy makes), so the ratio compares like with like; the JSON
 keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
-size and warp count per dtype at batch 16, 16k tokens.
+size, warp count and pipeline stages per dtype at batch 16, 16k tokens.
 
 Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
 times say nothing about a GPU.
@@ -32,7 +32,10 @@ from kvtier.decode.attention import paged_decode_attention, split_plan  # noqa: 
 from kvtier.format import quantize  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-TUNE_CONFIGS = [dict(block_n=bn, num_warps=w, num_stages=2) for bn, w in itertools.product((32, 64, 128), (4, 8))]
+TUNE_CONFIGS = [
+    dict(block_n=bn, num_warps=warps, num_stages=stages)
+    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3))
+]
 
 
 def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:

@@ -141,3 +141,21 @@ def test_bad_requests_and_configs():
         DecoderConfig(q_heads=6, kv_heads=4)
     with pytest.raises(ValueError, match="head_dim must be even"):
         DecoderConfig(head_dim=33)
+    with pytest.raises(ValueError, match="num_pages must be a positive int, got 0"):
+        PagedKV(CONFIG.page_format(PAGE), 0, DEVICE)
+    with pytest.raises(ValueError, match="skew must be >= 0"):
+        shared_prefix_workload(2, 1, 16, 4, 1, CONFIG.vocab, skew=-1.0)
+
+
+def test_workload_reuses_system_prompts():
+    robin = shared_prefix_workload(6, 3, 32, 5, 2, CONFIG.vocab, seed=1)
+    assert [r.prompt[:32] for r in robin[:3]] == [r.prompt[:32] for r in robin[3:]]
+    assert len({r.prompt[:32] for r in robin}) == 3 and len({r.prompt for r in robin}) == 6
+    assert all(len(r.prompt) == 37 and r.max_new_tokens == 2 for r in robin)
+    zipf = shared_prefix_workload(400, 8, 32, 5, 2, CONFIG.vocab, seed=1, skew=1.0)
+    counts = {}
+    for r in zipf:
+        counts[r.prompt[:32]] = counts.get(r.prompt[:32], 0) + 1
+    ranked = sorted(counts.values(), reverse=True)
+    # Zipf weights 1/rank: the hottest prompt takes about 1/H(8) = 37% of requests, the coldest 5%.
+    assert ranked[0] > 0.25 * 400 and ranked[-1] < 0.1 * 400

@@ -75,6 +75,8 @@ class PagedKV:
             raise ValueError("PagedKV holds K and V planes; an MLA format (mla=True) has one latent plane")
         if fmt.device_dtype not in ("bf16", *FP8_DTYPES):
             raise ValueError(f"PagedKV needs bf16 or fp8 device pages, got device_dtype={fmt.device_dtype!r}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"PagedKV num_pages must be a positive int, got {num_pages!r}")
         self.fmt = fmt
         self.num_pages = num_pages
         self.device = torch.device(device)
