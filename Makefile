@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/decode_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -1,0 +1,160 @@
+"""Decode attention's achieved HBM bandwidth against a device-to-device copy measured in the same run.
+
+The Triton paged decode kernel (kvtier.decode.attention) over fp8 pages with per-token-head
+scales and over bf16 pages, a Llama-3-8B-like layer (32 query heads, 8 kv heads, head dim 128,
+16-token pages handed out in a random order), batch 1-64, context 1k-32k. Bandwidth is the KV
+and scale bytes the kernel must read over its median time (triton.testing.do_bench, L2 flushed
+before every call). The copy rate is `dst.copy_(src)` of 1 GiB, counted as bytes read plus
+bytes written (the HBM traffic a copy makes), so the ratio compares like with like; the JSON
+keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
+size, warp count and pipeline stages per dtype at batch 16, 16k tokens.
+
+Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
+times say nothing about a GPU.
+
+    PYTHONPATH=. python3 benchmarks/decode_attention.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtier.decode.attention import paged_decode_attention, split_plan  # noqa: E402
+from kvtier.format import quantize  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+TUNE_CONFIGS = [
+    dict(block_n=bn, num_warps=warps, num_stages=stages)
+    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3))
+]
+
+
+def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
+    """Pages of `batch` sequences of `context` tokens each, scattered over the cache in a random order."""
+    pages_per_seq = -(-context // PAGE)
+    num_pages = batch * pages_per_seq
+    shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
+    table = torch.randperm(num_pages, generator=gen).view(batch, pages_per_seq).int()
+    q = torch.randn((batch, Q_HEADS, HEAD_DIM), generator=gen).bfloat16()
+    args = dict(q=q.to(device), page_table=table.to(device), seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device))
+    if dtype == "bf16":
+        k = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        v = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        args.update(k_pages=k, v_pages=v)
+    else:
+        # Quantize in chunks: a float32 copy of 32k x 64 tokens of KV would not fit beside the pages.
+        k = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+        v = torch.empty_like(k)
+        ks = torch.empty((num_pages, PAGE, KV_HEADS), device=device)
+        vs = torch.empty_like(ks)
+        for lo in range(0, num_pages, 4096):
+            hi = min(lo + 4096, num_pages)
+            for pages, scales in ((k, ks), (v, vs)):
+                qv, sv = quantize(torch.randn((hi - lo, *shape[1:]), device=device), "fp8_e4m3", "per_token_head", "nhd")
+                pages[lo:hi], scales[lo:hi] = qv, sv
+        args.update(k_pages=k, v_pages=v, k_scales=ks, v_scales=vs, scale="per_token_head")
+    return args
+
+
+def bytes_read(args: dict, context: int) -> int:
+    batch = args["q"].shape[0]
+    per_token = 2 * KV_HEADS * HEAD_DIM * args["k_pages"].element_size()
+    if "k_scales" in args:
+        per_token += 2 * KV_HEADS * 4
+    return batch * context * per_token
+
+
+def time_call(fn, cuda: bool) -> float:
+    """Median seconds of one call."""
+    if cuda:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e3
+    fn()
+    samples = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2]
+
+
+def copy_rate(cuda: bool, device: str) -> dict:
+    nbytes = (1 << 30) if cuda else (16 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: dst.copy_(src), cuda)
+    return {"bytes": nbytes, "seconds": seconds, "copy_gbps": nbytes / seconds / 1e9, "hbm_gbps": 2 * nbytes / seconds / 1e9}
+
+
+def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: torch.Generator) -> tuple[dict, list]:
+    args = make_inputs(batch, context, dtype, device, gen)
+    tried = []
+    for config in TUNE_CONFIGS:
+        seconds = time_call(lambda: paged_decode_attention(**args, **config), cuda)
+        tried.append({**config, "seconds": seconds, "gbps": bytes_read(args, context) / seconds / 1e9})
+    del args
+    best = max(tried, key=lambda row: row["gbps"])
+    return {k: best[k] for k in ("block_n", "num_warps", "num_stages")}, tried
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer points (batch 1/16/64, context 1k/8k/32k)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    if cuda:
+        from kvtier.bench.offload_bandwidth import gpu_meta
+
+        meta = gpu_meta()
+        batches = (1, 16, 64) if args.quick else (1, 4, 16, 32, 64)
+        contexts = (1024, 8192, 32768) if args.quick else (1024, 4096, 8192, 16384, 32768)
+        tune_at = (16, 16384)
+    else:
+        meta = {"mode": "cpu twin (Triton interpreter): times say nothing about a GPU"}
+        batches, contexts, tune_at = (1, 2), (64, 256), (2, 256)
+        TUNE_CONFIGS[:] = TUNE_CONFIGS[:2]
+    print(f"decode attention bandwidth: {meta}", flush=True)
+    copy = copy_rate(cuda, device)
+    print(f"device-to-device copy of {copy['bytes'] >> 20} MiB: {copy['copy_gbps']:.0f} GB/s copied, "
+          f"{copy['hbm_gbps']:.0f} GB/s of HBM traffic", flush=True)
+    configs, tuning = {}, {}
+    for dtype in ("fp8", "bf16"):
+        configs[dtype], tuning[dtype] = tune(dtype, *tune_at, device, cuda, gen)
+        print(f"{dtype}: best kernel config at batch {tune_at[0]}, {tune_at[1]} tokens: {configs[dtype]}", flush=True)
+    rows = []
+    for dtype, batch, context in itertools.product(("fp8", "bf16"), batches, contexts):
+        inputs = make_inputs(batch, context, dtype, device, gen)
+        seconds = time_call(lambda: paged_decode_attention(**inputs, **configs[dtype]), cuda)
+        nbytes = bytes_read(inputs, context)
+        splits, _ = split_plan(batch, KV_HEADS, inputs["page_table"].shape[1] * PAGE, configs[dtype]["block_n"])
+        gbps = nbytes / seconds / 1e9
+        rows.append(dict(dtype=dtype, batch=batch, context=context, splits=splits, bytes=nbytes, us=seconds * 1e6,
+                         gbps=gbps, of_copy=gbps / copy["hbm_gbps"]))
+        print(f"  {dtype} batch {batch:>3} context {context:>6}: {seconds * 1e6:9.1f} us {gbps:8.0f} GB/s", flush=True)
+        del inputs
+    report = {"meta": meta, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    print(f"\nGB/s of KV + scale bytes read; x = of the D2D copy's HBM traffic ({copy['hbm_gbps']:.0f} GB/s)")
+    print(f"{'dtype':<5} {'batch':>5} " + " ".join(f"{str(c) + ' tokens':>13}" for c in contexts))
+    for dtype, batch in itertools.product(("fp8", "bf16"), batches):
+        cells = [r for r in rows if r["dtype"] == dtype and r["batch"] == batch]
+        print(f"{dtype:<5} {batch:>5} " + " ".join(f"{r['gbps']:6.0f} {r['of_copy']:4.2f}x" for r in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Time to first token from the host tier against recomputing the prefix and against all-resident,
+and a decode step whose KV is prefetched layer by layer against one whose KV is resident.
+
+The model is kvtier.decode's transformer with a Llama-3-8B layer shape (hidden 4096, 32 query
+heads, 8 kv heads, head dim 128, SwiGLU 14336) and 4 layers, random weights; KV pages are fp8
+e4m3 with per-token-head scales, 16 tokens a page, in a TieredPool over the model's own KV
+tensors (write_through, the CUDA copy engine).
+
+TTFT: a request of a P-token prefix plus a 16-token user turn, timed from `match` to the first
+token on the host (DecodeRunner's ttft_s), median of the repeats, each with a fresh user turn:
+  recompute   the prefix is in no tier: prefill of every token
+  host hit    the prefix pages are in the host tier only (evicted from the device after a first
+              request committed them): loaded while the user turn's layers run, wait_layer(i)
+              before layer i's attention
+  resident    the prefix pages are on the device
+Decode step: B sequences of C tokens each, one new token each:
+  resident    every page on the device
+  prefetched  every page in the host tier; `load` then the step, waiting on layer i's pages just
+              before layer i's attention; the time includes the host's load call
+  pcie bound  the pages' bytes over the pinned host-to-device rate measured in the same run;
+              prefetched can only approach max(resident, pcie bound)
+
+Without CUDA it runs the CPU twin (tiny model, torch copy engine, Triton interpreter), whose
+times say nothing about a GPU.
+
+    PYTHONPATH=. python3 benchmarks/decode_ttft.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtier import TieredPool, prefix_keys  # noqa: E402
+from kvtier.decode.model import DecoderConfig, PagedKV, TinyDecoder  # noqa: E402
+from kvtier.decode.runner import DecodeRunner, Request  # noqa: E402
+
+PAGE = 16
+USER_TOKENS = 16
+GPU_MODEL = DecoderConfig(vocab=32000, hidden=4096, layers=4, q_heads=32, kv_heads=8, head_dim=128, ffn=14336)
+CPU_MODEL = DecoderConfig(vocab=256, hidden=128, layers=2, q_heads=4, kv_heads=2, head_dim=64, ffn=256)
+
+
+def make_pool(model: TinyDecoder, device_pages: int, host_pages: int):
+    fmt = model.config.page_format(PAGE, dtype="fp8_e4m3", scale="per_token_head")
+    kv = PagedKV(fmt, device_pages, model.device)
+    pool = TieredPool(fmt, host_pages=host_pages, write_policy="write_through", registry=CollectorRegistry(),
+                      **kv.pool_args())
+    return kv, pool
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def ttft(model: TinyDecoder, prefix_tokens: int, repeats: int, gen: torch.Generator, cuda: bool) -> dict:
+    vocab = model.config.vocab
+    pages = -(-(prefix_tokens + USER_TOKENS) // PAGE) + 1
+    kv, pool = make_pool(model, pages * 2, pages * 2)
+
+    def request(prefix: list[int]) -> Request:
+        return Request(tuple(prefix + torch.randint(vocab, (USER_TOKENS,), generator=gen).tolist()), 1)
+
+    def fresh_prefix() -> list[int]:
+        return torch.randint(vocab, (prefix_tokens,), generator=gen).tolist()
+
+    times = {"recompute": [], "host": [], "resident": []}
+    with pool:
+        runner = DecodeRunner(model, kv, pool)
+        runner.run([request(fresh_prefix())], 1)  # compiles kernels and warms the allocator
+        for _ in range(repeats):
+            prefix = fresh_prefix()
+            sync(cuda)
+            [done] = runner.run([request(prefix)], 1)
+            assert done.hit.total == 0
+            times["recompute"].append(done.ttft_s)
+            pool.flush()
+            pool.evict(tier="device")
+            sync(cuda)
+            [done] = runner.run([request(prefix)], 1)
+            assert done.hit.host == prefix_tokens // PAGE and done.hit.device == 0, done.hit
+            times["host"].append(done.ttft_s)
+            sync(cuda)
+            [done] = runner.run([request(prefix)], 1)
+            assert done.hit.device == prefix_tokens // PAGE, done.hit
+            times["resident"].append(done.ttft_s)
+            pool.evict(tier="device")
+    row = {name: statistics.median(v) for name, v in times.items()}
+    row.update(prefix_tokens=prefix_tokens, recompute_over_host=row["recompute"] / row["host"],
+               host_over_resident=row["host"] / row["resident"])
+    return row
+
+
+def h2d_rate(nbytes: int, cuda: bool) -> float | None:
+    """Bytes per second of one contiguous pinned host-to-device copy (None without CUDA)."""
+    if not cuda:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(samples)
+
+
+def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen: torch.Generator, cuda: bool,
+                h2d: float | None) -> dict:
+    c, vocab = model.config, model.config.vocab
+    per_seq = context // PAGE
+    kv, pool = make_pool(model, batch * (per_seq + 1) + 1, batch * (per_seq + 1) + 1)
+    prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+    step = {"resident": [], "prefetched": []}
+    with pool:
+        DecodeRunner(model, kv, pool).run([Request(tuple(p), 1) for p in prompts], batch)
+        pool.flush()
+        keys = [prefix_keys(torch.tensor(p).numpy(), PAGE, pool.namespace) for p in prompts]
+        flat = [k for ks in keys for k in ks]
+        tails = torch.zeros((c.layers, 2, batch, PAGE, c.kv_heads, c.head_dim), dtype=torch.bfloat16, device=kv.device)
+        tokens = torch.randint(vocab, (batch,), generator=gen).to(kv.device)
+        positions = torch.full((batch,), context, dtype=torch.int64, device=kv.device)
+        new_pages = pool.allocate(batch)
+
+        def table_of(slots: list[int]) -> torch.Tensor:
+            rows = [slots[i * per_seq : (i + 1) * per_seq] + [new_pages[i]] for i in range(batch)]
+            return torch.tensor(rows, dtype=torch.int32, device=kv.device)
+
+        def timed(fn) -> float:
+            sync(cuda)
+            t0 = time.perf_counter()
+            fn()
+            sync(cuda)
+            return time.perf_counter() - t0
+
+        held = pool.acquire(flat)
+        assert len(held) == len(flat)
+        table = table_of(held)
+        model.decode(kv, tokens, positions, table, tails)
+        for _ in range(repeats):
+            step["resident"].append(timed(lambda: model.decode(kv, tokens, positions, table, tails)))
+        pool.release(held)
+        landed: list[list[int]] = []
+
+        def prefetched():
+            handle = pool.load(flat)
+            landed.append(handle.slots)
+            model.decode(kv, tokens, positions, table_of(handle.slots), tails, wait_layer=handle.wait_layer)
+
+        for _ in range(repeats + 1):
+            pool.evict(tier="device", keys=flat)
+            step["prefetched"].append(timed(prefetched))
+            pool.release(landed.pop())
+        step["prefetched"].pop(0)
+        pool.release(new_pages)
+    row = {name: statistics.median(v) for name, v in step.items()}
+    nbytes = len(flat) * pool.fmt.page_bytes
+    bound = nbytes / h2d if h2d else None
+    row.update(batch=batch, context=context, bytes=nbytes, pcie_bound=bound,
+               prefetched_over_resident=row["prefetched"] / row["resident"],
+               prefetched_over_floor=row["prefetched"] / max(row["resident"], bound) if bound else None)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8k and 32k prefixes; two decode shapes")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    gen = torch.Generator().manual_seed(0)
+    if cuda:
+        from kvtier.bench.offload_bandwidth import gpu_meta
+
+        meta = gpu_meta()
+        model = TinyDecoder(GPU_MODEL, "cuda")
+        prefixes = (8192, 32768) if args.quick else (8192, 16384, 32768)
+        shapes = [(1, 2048), (8, 8192)] if args.quick else [(1, 1024), (1, 4096), (4, 4096), (8, 8192), (16, 16384)]
+        repeats = 3 if args.quick else 5
+    else:
+        meta = {"mode": "cpu twin (torch copy engine, Triton interpreter): times say nothing about a GPU"}
+        model = TinyDecoder(CPU_MODEL, "cpu")
+        prefixes, shapes, repeats = (64, 128), [(1, 64), (2, 64)], 2
+    print(f"TTFT and prefetched decode: {meta}\nmodel: {model.config}", flush=True)
+    h2d = h2d_rate(256 << 20, cuda)
+    if cuda:
+        print(f"pinned host-to-device copy: {h2d / 1e9:.1f} GB/s", flush=True)
+    ttft_rows = []
+    for prefix in prefixes:
+        ttft_rows.append(ttft(model, prefix, repeats, gen, cuda))
+        r = ttft_rows[-1]
+        print(f"  TTFT {prefix} tokens: recompute {r['recompute'] * 1e3:.1f} ms, host hit {r['host'] * 1e3:.1f} ms, "
+              f"resident {r['resident'] * 1e3:.1f} ms", flush=True)
+    decode_rows = []
+    for batch, context in shapes:
+        decode_rows.append(decode_step(model, batch, context, repeats, gen, cuda, h2d))
+        r = decode_rows[-1]
+        print(f"  decode batch {batch} context {context}: resident {r['resident'] * 1e3:.2f} ms, "
+              f"prefetched {r['prefetched'] * 1e3:.2f} ms", flush=True)
+    report = {"meta": meta, "model": repr(model.config), "h2d_gbps": h2d / 1e9 if h2d else None, "ttft": ttft_rows, "decode": decode_rows}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    print("\nTTFT (ms)            recompute   host hit   resident   recompute/host   host/resident")
+    for r in ttft_rows:
+        print(f"  prefix {r['prefix_tokens']:>6} tokens {r['recompute'] * 1e3:10.1f} {r['host'] * 1e3:10.1f} "
+              f"{r['resident'] * 1e3:10.1f} {r['recompute_over_host']:14.1f}x {r['host_over_resident']:14.2f}x")
+    print("decode step (ms)     resident   prefetched   pcie bound   prefetched/resident   prefetched/max(resident, bound)")
+    for r in decode_rows:
+        bound = "-" if r["pcie_bound"] is None else f"{r['pcie_bound'] * 1e3:.2f}"
+        floor = "-" if r["prefetched_over_floor"] is None else f"{r['prefetched_over_floor']:.2f}x"
+        print(f"  batch {r['batch']:>3} x {r['context']:>6} {r['resident'] * 1e3:9.2f} {r['prefetched'] * 1e3:12.2f} "
+              f"{bound:>12} {r['prefetched_over_resident']:20.2f}x {floor:>20}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

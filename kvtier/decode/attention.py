@@ -1,0 +1,425 @@
+"""Paged decode attention: the Triton kernel and its float64 torch reference.
+
+Owns one query token per sequence attending to that sequence's KV pages, read in place
+through a page table: GQA, split-KV with a merge stage for long contexts, pages in "nhd"
+or "hnd" layout with any strides, and two dtype paths:
+
+- fp8 pages (e4m3 / e5m2) with fp32 scales at the page format's granularity (per_tensor,
+  per_page_head, per_token_head). The kernel dequantizes inside: within one program the kv
+  head is fixed, so every granularity gives one scale per token, and K's scale multiplies
+  that token's score column while V's scale multiplies its probability. That is the same
+  product as scaling the page first, but fp8 -> bf16 is exact, so the tensor-core dot sees
+  exact values and the scale is applied in fp32.
+- 16-bit pages (bf16 / fp16), e.g. the bf16 pages a PageFormat with device_dtype="bf16"
+  delivers by upcasting fp8 records on reload.
+
+It must never allocate or move KV pages, and never look at which tier a page came from:
+the caller hands it device tensors and a page table.
+
+On a machine without CUDA the kernels run in Triton's interpreter (numpy on the CPU), so the
+same code is tested everywhere: importing this module sets TRITON_INTERPRET=1 there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it is imported (its own library functions are jitted then),
+# so the choice is made here, before the import. Without CUDA Triton cannot compile at all, so
+# interpreting changes nothing else in this process.
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ImportError(
+            "kvtier.decode needs Triton's interpreter on a machine without CUDA, but triton was imported "
+            "before it with TRITON_INTERPRET unset; set TRITON_INTERPRET=1 or import kvtier.decode first"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvtier.format.codec import expand_scales  # noqa: E402
+
+LOG2E = 1.4426950408889634
+FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
+LAYOUTS = ("nhd", "hnd")
+# tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
+MIN_DOT = 16
+# Split-KV aims for this many programs in flight (about two waves on an H200's 132 SMs) and
+# never cuts a sequence into pieces shorter than MIN_SPLIT_TOKENS, where the merge would cost
+# more than the parallelism gains.
+TARGET_PROGRAMS = 264
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+# Triton's interpreter (3.9) multiplies bf16 dot operands as their raw uint16 bits; there the
+# operands go in as fp32 after rounding to the query dtype, which is the same product.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _decode_split(
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    qk_scale,
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh,
+    stride_vsp, stride_vst, stride_vsh,
+    stride_ptb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
+
+    SINGLE (one split covers every sequence): the output itself, and no merge follows.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(LENS + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if start < end:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + tl.arange(0, BLOCK_N)
+            live = tok < end
+            page = tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
+            row = tok % PAGE_SIZE
+            k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+            v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+            k = tl.load(k_ptr, mask=live[:, None], other=0)
+            v = tl.load(v_ptr, mask=live[:, None], other=0)
+            if FP8 == 1:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            if FP8 == 2:
+                k = k.to(tl.float8e5, bitcast=True)
+                v = v.to(tl.float8e5, bitcast=True)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            if DOT_F32:
+                score = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                score = tl.dot(q, tl.trans(k))
+            if SCALED:
+                k_scale = tl.load(KS + page * stride_ksp + row * stride_kst + kvh * stride_ksh, mask=live, other=0.0)
+                score = score * (k_scale * qk_scale)[None, :]
+            else:
+                score = score * qk_scale
+            score = tl.where(live[None, :], score, float("-inf"))
+            m_new = tl.maximum(m, tl.max(score, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(score - m_new[:, None])
+            s = s * alpha + tl.sum(p, 1)
+            if SCALED:
+                v_scale = tl.load(VS + page * stride_vsp + row * stride_vst + kvh * stride_vsh, mask=live, other=0.0)
+                p = p * v_scale[None, :]
+            p = p.to(q.dtype)
+            if DOT_F32:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+            m = m_new
+        if SINGLE:
+            o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
+            tl.store(o_ptr, (acc / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        else:
+            o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+            tl.store(o_ptr, acc / s[:, None], mask=mask_h[:, None])
+            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+
+
+@triton.jit
+def _merge_splits(
+    MID_O, MID_LSE, LENS, OUT,
+    tokens_per_split,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (sequence, query head): the splits' partial outputs weighted by their share of the softmax."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(LENS + b)
+    splits = tl.cdiv(seq_len, tokens_per_split)
+    offs_s = tl.arange(0, BLOCK_S)
+    live = offs_s < splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(MID_LSE + b * stride_lb + h * stride_lh + offs_s, mask=live, other=float("-inf"))
+    o = tl.load(MID_O + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :], mask=live[:, None], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def _plane_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(page, token, head) element strides of a (pages, *plane_shape) tensor."""
+    if layout == "nhd":
+        return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def _scale_strides(t: torch.Tensor, scale: str, layout: str) -> tuple[int, int, int]:
+    """(page, token, head) element strides of a scale tensor; 0 where the granularity shares one scale."""
+    if scale == "per_tensor":
+        return t.stride(0), 0, 0
+    if scale == "per_page_head":
+        return t.stride(0), 0, t.stride(1)
+    if layout == "nhd":
+        return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def _expected_scale_shape(scale: str, layout: str, pages: int, page_size: int, heads: int) -> tuple[int, ...]:
+    if scale == "per_tensor":
+        return (pages,)
+    if scale == "per_page_head":
+        return (pages, heads)
+    return (pages, page_size, heads) if layout == "nhd" else (pages, heads, page_size)
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, q_heads, head_dim), got shape {tuple(q.shape)}")
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"k_pages and v_pages must both be (pages, *plane_shape) of one shape, got {tuple(k_pages.shape)} "
+            f"and {tuple(v_pages.shape)}"
+        )
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    pages = k_pages.shape[0]
+    page_size, heads = (k_pages.shape[1], k_pages.shape[2]) if layout == "nhd" else (k_pages.shape[2], k_pages.shape[1])
+    head_dim = k_pages.shape[3]
+    batch, q_heads = q.shape[0], q.shape[1]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} does not match the pages' head_dim {head_dim}")
+    if head_dim < MIN_DOT or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [{MIN_DOT}, 256], got {head_dim}")
+    if q_heads % heads:
+        raise ValueError(f"q_heads {q_heads} must be a multiple of the pages' kv heads {heads}")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: every input must share one device")
+    fp8 = k_pages.dtype in FP8_KINDS
+    if fp8:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"q must be bf16 or fp16 with fp8 pages, got {q.dtype}")
+        if scale == "none":
+            raise ValueError(f"fp8 pages ({k_pages.dtype}) need scales: pass scale= and k_scales / v_scales")
+    else:
+        if k_pages.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"pages must be bf16, fp16, float8_e4m3fn or float8_e5m2, got {k_pages.dtype}")
+        if q.dtype != k_pages.dtype:
+            raise ValueError(f"q dtype {q.dtype} must match 16-bit pages of dtype {k_pages.dtype}")
+        if scale != "none" or k_scales is not None or v_scales is not None:
+            raise ValueError(f"{k_pages.dtype} pages take no scales, got scale={scale!r}")
+    if scale != "none":
+        want = _expected_scale_shape(scale, layout, pages, page_size, heads)
+        for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if t is None:
+                raise ValueError(f"scale={scale!r} needs {name}, got None")
+            if tuple(t.shape) != want or t.dtype != torch.float32:
+                raise ValueError(f"{name} must be float32 of shape {want} for scale={scale!r}, got {t.dtype} {tuple(t.shape)}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be int32 (batch={batch}, max_pages), got {page_table.dtype} {tuple(page_table.shape)}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 of shape ({batch},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("page_table", page_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if page_table.stride(1) != 1:
+        raise ValueError(f"page_table must be contiguous along its pages, got strides {page_table.stride()}")
+    return page_size, heads, head_dim
+
+
+def split_plan(batch: int, kv_heads: int, max_tokens: int, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split) for sequences of up to `max_tokens` tokens.
+
+    Tokens per split are a multiple of `block_n`, so no split starts inside a block.
+    """
+    if num_splits is None:
+        wanted = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
+        num_splits = max(1, min(wanted, max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    per_split = -(-max_tokens // num_splits)
+    per_split = max(block_n, -(-per_split // block_n) * block_n)
+    return -(-max_tokens // per_split), per_split
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    layout: str = "nhd",
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    scale: str = "none",
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
+
+    q: (batch, q_heads, head_dim) bf16/fp16. k_pages, v_pages: (pages, *plane_shape) in
+    `layout`, bf16/fp16 (then q's dtype) or fp8 with `k_scales` / `v_scales` (float32,
+    (pages, *scale_shape) of granularity `scale`). page_table: int32 (batch, max_pages) of page
+    indexes, entries past a sequence's last page unread. seq_lens: int32 (batch,), each >= 1
+    and <= max_pages * page_size (not checked here: it would cost a device sync).
+    Query head h reads kv head h // (q_heads // kv_heads). `num_splits` (default: enough
+    programs to fill an H200) cuts each sequence into that many KV ranges, merged after.
+    Returns `out` (q's dtype or float32; a new tensor of q's dtype when None).
+    """
+    page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
+    if block_n < MIN_DOT or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
+    batch, q_heads = q.shape[0], q.shape[1]
+    group = q_heads // heads
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype not in (q.dtype, torch.float32) or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {q.dtype} or float32 {tuple(q.shape)} on {q.device}, contiguous in head_dim; "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+        )
+    if batch == 0:
+        return out
+    max_tokens = page_table.shape[1] * page_size
+    splits, per_split = split_plan(batch, heads, max_tokens, block_n, num_splits)
+    single = splits == 1
+    mid_shape = (1, 1, 1) if single else (batch, q_heads, splits)
+    mid_o = torch.empty((*mid_shape, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
+    scaled = scale != "none"
+    fp8 = FP8_KINDS.get(k_pages.dtype, 0)
+    k_arg = k_pages.view(torch.uint8) if fp8 else k_pages
+    v_arg = v_pages.view(torch.uint8) if fp8 else v_pages
+    ks_arg = k_scales if scaled else mid_lse
+    vs_arg = v_scales if scaled else mid_lse
+    ks_strides = _scale_strides(k_scales, scale, layout) if scaled else (0, 0, 0)
+    vs_strides = _scale_strides(v_scales, scale, layout) if scaled else (0, 0, 0)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    _decode_split[(batch, heads, splits)](
+        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out,
+        sm_scale * LOG2E,
+        per_split,
+        q.stride(0), q.stride(1),
+        *_plane_strides(k_pages, layout),
+        *_plane_strides(v_pages, layout),
+        *ks_strides,
+        *vs_strides,
+        page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group,
+        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        FP8=fp8,
+        SCALED=scaled,
+        DOT_F32=INTERPRETED,
+        SINGLE=single,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if single:
+        return out
+    _merge_splits[(batch, q_heads)](
+        mid_o, mid_lse, seq_lens, out,
+        per_split,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        num_warps=4,
+    )
+    return out
+
+
+def dequantized_pages(pages: torch.Tensor, scales: torch.Tensor | None, scale: str, layout: str) -> torch.Tensor:
+    """float64 values of (n, *plane_shape) pages: fp8 times its scales, 16-bit pages as they are."""
+    if scale == "none":
+        return pages.double()
+    return pages.double() * expand_scales(scales.double(), scale, layout)
+
+
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    layout: str = "nhd",
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    scale: str = "none",
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """The same attention in float64 with plain torch, one sequence at a time: (batch, q_heads, head_dim) float64."""
+    page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    batch, q_heads = q.shape[0], q.shape[1]
+    group = q_heads // heads
+    out = torch.empty((batch, q_heads, head_dim), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        idx = page_table[b, : -(-n // page_size)].long()
+        ks = k_scales[idx] if k_scales is not None else None
+        vs = v_scales[idx] if v_scales is not None else None
+        k = dequantized_pages(k_pages[idx], ks, scale, layout)
+        v = dequantized_pages(v_pages[idx], vs, scale, layout)
+        if layout == "hnd":
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        k = k.reshape(-1, heads, head_dim)[:n]
+        v = v.reshape(-1, heads, head_dim)[:n]
+        qb = q[b].double().view(heads, group, head_dim)
+        scores = torch.einsum("hgd,thd->hgt", qb, k) * sm_scale
+        out[b] = torch.einsum("hgt,thd->hgd", scores.softmax(-1), v).reshape(q_heads, head_dim)
+    return out

@@ -1,0 +1,248 @@
+"""The paged decode kernel against its float64 reference, over random shapes.
+
+On a machine without CUDA the kernel runs in Triton's interpreter; with CUDA the same tests
+run the compiled kernel on the GPU.
+
+Tolerance, and why: scores and the softmax run in fp32 from exact operands (bf16 queries,
+fp8 values widen to bf16 exactly, scales apply in fp32), so the one rounding that matters is
+the probabilities (times V's scale) rounded to the query dtype before the P.V product: within
+one ulp each (2**-7 relative for bf16, 2**-10 for fp16), so an output moves by at most that
+times the same attention taken over |V|. The tests allow exactly that, plus one ulp of the
+output dtype relative to the value and 1e-5 of the |V| attention for fp32 sums and exp2.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvtier.decode.attention import paged_decode_attention, reference_decode_attention, split_plan
+from kvtier.format import quantize
+from kvtier.format.codec import dequantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# One ulp relative to the value: round-to-nearest on the GPU is within half of it, and
+# Triton's interpreter truncates when it narrows fp32 (3.9), which stays within one.
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+PAGE_DTYPE_SCALES = [
+    ("bf16", "none"),
+    ("fp16", "none"),
+    ("fp8_e4m3", "per_tensor"),
+    ("fp8_e4m3", "per_page_head"),
+    ("fp8_e4m3", "per_token_head"),
+    ("fp8_e5m2", "per_tensor"),
+    ("fp8_e5m2", "per_page_head"),
+    ("fp8_e5m2", "per_token_head"),
+]
+CASES = [(dt, sc, layout) for (dt, sc), layout in itertools.product(PAGE_DTYPE_SCALES, ("nhd", "hnd"))]
+
+
+def make_case(seed: int, dtype: str, scale: str, layout: str, **override):
+    """Random pages, page tables, lengths and queries; every slot no sequence reads is NaN."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    shape = dict(
+        batch=pick([1, 2, 3, 5]),
+        kv_heads=pick([1, 2, 4]),
+        group=pick([1, 2, 4, 8]),
+        head_dim=pick([64, 128]),
+        page_size=pick([1, 4, 16, 32]),
+        max_len=pick([40, 130, 300]),
+    )
+    shape.update(override)
+    batch, heads, group, head_dim, page_size = (shape[k] for k in ("batch", "kv_heads", "group", "head_dim", "page_size"))
+    lens = torch.randint(1, shape["max_len"] + 1, (batch,), generator=gen)
+    lens[0] = shape["max_len"]
+    pages_of = [-(-int(n) // page_size) for n in lens]
+    max_pages = max(pages_of)
+    # Spare pages no sequence uses, and the pages handed out in a random order.
+    num_pages = sum(pages_of) + 3
+    order = torch.randperm(num_pages, generator=gen)
+    page_table = torch.full((batch, max_pages + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_of):
+        page_table[b, :n] = order[used : used + n].int()
+        used += n
+    plane = (page_size, heads, head_dim) if layout == "nhd" else (heads, page_size, head_dim)
+    k = torch.randn((num_pages, *plane), generator=gen) * 3
+    v = torch.randn((num_pages, *plane), generator=gen) * 2 + 0.5
+    if dtype in TORCH_DTYPES:
+        q_dtype = TORCH_DTYPES[dtype]
+        k_pages, v_pages, k_scales, v_scales = k.to(q_dtype), v.to(q_dtype), None, None
+    else:
+        q_dtype = torch.bfloat16
+        k_pages, k_scales = quantize(k, dtype, scale, layout)
+        v_pages, v_scales = quantize(v, dtype, scale, layout)
+    _poison_unread(k_pages, v_pages, k_scales, v_scales, page_table, lens, layout, page_size, scale)
+    q = torch.randn((batch, heads * group, head_dim), generator=gen).to(q_dtype)
+    args = dict(
+        q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seq_lens=lens.int(),
+        layout=layout, k_scales=k_scales, v_scales=v_scales, scale=scale,
+    )
+    return {name: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for name, t in args.items()}
+
+
+def _poison_unread(k_pages, v_pages, k_scales, v_scales, page_table, lens, layout, page_size, scale) -> None:
+    """NaN in every page no sequence reads and in every token past a sequence's length."""
+    nan_byte = 0xFF  # NaN in bf16, fp16, e4m3fn and e5m2 alike
+    read = set(int(p) for p in page_table.flatten() if p >= 0)
+    for page in range(k_pages.shape[0]):
+        if page not in read:
+            for pages in (k_pages, v_pages):
+                pages[page].view(torch.uint8).fill_(nan_byte)
+            for scales in (k_scales, v_scales):
+                if scales is not None:
+                    scales[page] = float("nan")
+    for b, n in enumerate(int(x) for x in lens):
+        last = int(page_table[b, (n - 1) // page_size])
+        tail = n % page_size
+        if not tail:
+            continue
+        for pages in (k_pages, v_pages):
+            rows = pages[last, tail:] if layout == "nhd" else pages[last, :, tail:]
+            rows.view(torch.uint8).fill_(nan_byte)
+        if scale == "per_token_head":
+            for scales in (k_scales, v_scales):
+                rows = scales[last, tail:] if layout == "nhd" else scales[last, :, tail:]
+                rows.fill_(float("nan"))
+
+
+def _abs_pages(pages: torch.Tensor) -> torch.Tensor:
+    """|pages| by clearing the sign bit, in the pages' own dtype (NaN stays NaN)."""
+    if pages.element_size() == 1:
+        return (pages.view(torch.uint8) & 0x7F).view(pages.dtype)
+    return (pages.view(torch.int16) & 0x7FFF).view(pages.dtype)
+
+
+def assert_close_to_reference(out: torch.Tensor, args: dict) -> None:
+    """|out - ref| <= ulp(q dtype) * (attention over |V|) + ulp(out dtype) * |ref|, plus fp32 noise."""
+    ref = reference_decode_attention(**args)
+    assert torch.isfinite(out).all(), "the kernel read a poisoned slot"
+    mean_abs_v = reference_decode_attention(**dict(args, v_pages=_abs_pages(args["v_pages"])))
+    bound = (ULP[args["q"].dtype] + 1e-5) * mean_abs_v + ULP[out.dtype] * ref.abs()
+    err = (out.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1, f"max error {err.max().item():.3g} is {worst:.2f}x its bound"
+
+
+@pytest.mark.parametrize("dtype,scale,layout", CASES)
+def test_matches_float64_reference(dtype, scale, layout):
+    seed = CASES.index((dtype, scale, layout))
+    args = make_case(seed, dtype, scale, layout)
+    out = torch.empty(args["q"].shape, dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=1 + seed % 4, block_n=16 << (seed % 3))
+    assert_close_to_reference(out, args)
+
+
+@pytest.mark.parametrize("dtype,scale", [("bf16", "none"), ("fp8_e4m3", "per_token_head")])
+def test_output_in_query_dtype(dtype, scale):
+    args = make_case(100, dtype, scale, "nhd")
+    out = paged_decode_attention(**args)
+    assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
+    assert_close_to_reference(out, args)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_split_kv_merge(num_splits):
+    """One long and several short sequences: splits past a short sequence's end write nothing the merge reads."""
+    args = make_case(200 + num_splits, "fp8_e4m3", "per_page_head", "hnd", batch=3, max_len=700, page_size=16)
+    splits, per_split = split_plan(3, args["k_pages"].shape[1], args["page_table"].shape[1] * 16, 32, num_splits)
+    assert splits * per_split >= 700 and per_split % 32 == 0
+    out = torch.empty(args["q"].shape, dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=32)
+    assert_close_to_reference(out, args)
+
+
+def test_pages_read_in_place_through_strides():
+    """K and V interleaved in one engine tensor (pages, 2, *plane): views with a page stride twice the plane's."""
+    args = make_case(300, "fp8_e5m2", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)
+    k, v = args["k_pages"], args["v_pages"]
+    both = torch.stack([k, v], dim=1)
+    ks, vs = args["k_scales"], args["v_scales"]
+    scales = torch.stack([ks, vs], dim=-1)
+    strided = dict(args, k_pages=both[:, 0], v_pages=both[:, 1], k_scales=scales[..., 0], v_scales=scales[..., 1])
+    assert not strided["k_pages"].is_contiguous() and not strided["k_scales"].is_contiguous()
+    out = torch.empty(args["q"].shape, dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**strided, out=out, num_splits=2, block_n=16)
+    assert_close_to_reference(out, args)
+
+
+def test_fp8_in_kernel_matches_upcast_bf16_pages():
+    """The fp8 path (scales applied in the kernel) and the bf16 path over the same pages upcast first."""
+    args = make_case(400, "fp8_e4m3", "per_token_head", "nhd", head_dim=128, page_size=16, max_len=200)
+    upcast = dict(
+        args,
+        k_pages=dequantize(args["k_pages"], args["k_scales"], "per_token_head", "nhd", torch.bfloat16),
+        v_pages=dequantize(args["v_pages"], args["v_scales"], "per_token_head", "nhd", torch.bfloat16),
+        k_scales=None, v_scales=None, scale="none",
+    )
+    out_fp8 = torch.empty(args["q"].shape, dtype=torch.float32, device=DEVICE)
+    out_bf16 = torch.empty_like(out_fp8)
+    paged_decode_attention(**args, out=out_fp8, num_splits=2)
+    paged_decode_attention(**upcast, out=out_bf16, num_splits=2)
+    # The upcast pages round each dequantized value to bf16 (half an ulp, 2**-8) before the kernel sees it.
+    assert_close_to_reference(out_bf16, upcast)
+    assert_close_to_reference(out_fp8, args)
+    mean_abs_v = reference_decode_attention(**dict(upcast, v_pages=_abs_pages(upcast["v_pages"])))
+    assert ((out_fp8 - out_bf16).abs() <= (2 * 2.0**-7 + 2.0**-8) * mean_abs_v).all()
+
+
+def test_split_plan_defaults():
+    assert split_plan(1, 1, 32768, 64) == (64, 512)
+    assert split_plan(64, 8, 32768, 64) == (1, 32768)
+    assert split_plan(4, 8, 300, 64) == (1, 320)
+    # 17 splits wanted; 482 tokens round up to 512, so 16 cover the context.
+    assert split_plan(2, 8, 8192, 64) == (16, 512)
+
+
+def _valid(**override):
+    args = make_case(500, "fp8_e4m3", "per_page_head", "nhd", batch=2, kv_heads=2, group=2, head_dim=64, page_size=4, max_len=20)
+    args.update(override)
+    return args
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (lambda a: dict(layout="xyz"), "layout must be one of"),
+        (lambda a: dict(scale="none", k_scales=None, v_scales=None), "fp8 pages (torch.float8_e4m3fn) need scales"),
+        (lambda a: dict(k_scales=None), "needs k_scales, got None"),
+        (lambda a: dict(v_scales=a["v_scales"][:, :1]), "v_scales must be float32 of shape"),
+        (lambda a: dict(q=a["q"][:, :3]), "q_heads 3 must be a multiple of the pages' kv heads 2"),
+        (lambda a: dict(q=a["q"][..., :32]), "q head_dim 32 does not match the pages' head_dim 64"),
+        (lambda a: dict(q=a["q"].float()), "q must be bf16 or fp16 with fp8 pages"),
+        (lambda a: dict(page_table=a["page_table"].long()), "page_table must be int32"),
+        (lambda a: dict(seq_lens=a["seq_lens"][:1]), "seq_lens must be int32 of shape (2,)"),
+        (lambda a: dict(v_pages=a["v_pages"][:-1]), "k_pages and v_pages must both be"),
+        (
+            lambda a: dict(k_pages=a["k_pages"].float().bfloat16(), v_pages=a["v_pages"].float().bfloat16()),
+            "torch.bfloat16 pages take no scales",
+        ),
+    ],
+)
+def test_bad_input_names_the_mismatch(override, message):
+    args = _valid()
+    args.update(override(args))
+    with pytest.raises(ValueError) as info:
+        paged_decode_attention(**args)
+    assert message in str(info.value)
+
+
+def test_bad_head_dim_and_block():
+    k = torch.zeros((4, 4, 1, 48), dtype=torch.bfloat16, device=DEVICE)
+    q = torch.zeros((1, 1, 48), dtype=torch.bfloat16, device=DEVICE)
+    table = torch.zeros((1, 1), dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim must be a power of two in \\[16, 256\\], got 48"):
+        paged_decode_attention(q, k, k, table, lens)
+    args = _valid()
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        paged_decode_attention(**args, block_n=24)
+    with pytest.raises(ValueError, match="num_splits must be an int >= 1, got 0"):
+        paged_decode_attention(**args, num_splits=0)
