@@ -136,10 +136,15 @@ def main() -> None:
     with pool:
         resident = DecodeRunner(model, kv, pool).run(requests, sizes["batch"])
         evicted = pool.stats()["evictions"].get("device", 0)
-    same = sum(a.tokens == b.tokens for a, b in zip(done, resident))
-    print(f"  {time.perf_counter() - t0:.1f} s, {evicted} device evictions; "
-          f"tokens identical for {same}/{len(done)} requests")
-    if same != len(done) or evicted:
+    # A request whose prefix both runs served from the pool computed the same prefill, so its
+    # tokens must match exactly. Where the offloaded run lost pages (no remote tier: host
+    # evictions drop them) it recomputed more of the prompt, in other chunks: float rounding may
+    # then differ, so those requests are counted apart and not held to identical tokens.
+    same_hits = [(a, b) for a, b in zip(done, resident) if a.hit.total == b.hit.total]
+    same = sum(a.tokens == b.tokens for a, b in same_hits)
+    print(f"  {time.perf_counter() - t0:.1f} s, {evicted} device evictions; tokens identical for {same}/{len(same_hits)} "
+          f"requests with the same pool hits ({len(done) - len(same_hits)} recomputed more of their prompt offloaded)")
+    if same != len(same_hits) or evicted:
         sys.exit("offloaded and resident runs differ")
 
 

@@ -67,6 +67,8 @@ def test_pool_manages_the_models_own_tensors():
 )
 def test_offloaded_run_matches_all_resident(model, tmp_path, path, scale, layout):
     """A device too small for the workload (pages through host and remote) gives the same logits, bit for bit."""
+    pytest.importorskip("nixl_cu13", reason="the remote tier needs NIXL (pip install kvtier[nixl])")
+    pytest.importorskip("crc32c", reason="the remote tier needs crc32c (pip install kvtier[nixl])")
     requests = workload()
     resident, resident_stats = run(model, requests, path=path, scale=scale, layout=layout)
     offloaded, stats = run(model, requests, path=path, scale=scale, layout=layout, device_pages=10, host_pages=10,
