@@ -159,7 +159,12 @@ class TieredPool:
         self._host = TierIndex("host", host_pages, make_policy(eviction, host_pages))
         self.close_timeout_s = close_timeout_s
         self._lock = threading.Lock()
+        # Three conditions on the one lock, so that a thread is woken only for what it waits for:
+        # callers waiting for progress (copies, remote jobs), the remote writer for backup work,
+        # the offload thread for write-through copies to start.
         self._changed = threading.Condition(self._lock)
+        self._backup_work = threading.Condition(self._lock)
+        self._offload_work = threading.Condition(self._lock)
         self._inflight: list[tuple[Ticket, object]] = []  # engine copies: (ticket, finish)
         self._dev_landing: dict[int, Ticket] = {}  # device slot -> reload still landing in it
         self._fetching: dict[int, Ticket] = {}  # host slot -> remote fetch still landing in it
@@ -303,7 +308,7 @@ class TieredPool:
                 # The copy down is started by the offload thread, so that commit costs the
                 # engine only the bookkeeping of its own pages.
                 self._pending_down.append((absent_slots, absent_ids, ready))
-                self._changed.notify_all()
+                self._offload_work.notify()
             self.counters.latency["commit"].observe(time.perf_counter() - start)
             return len(fresh_ids)
 
@@ -319,9 +324,11 @@ class TieredPool:
             self._reap()
             on_device, on_host, local = self._walk(ids, 0)
             self._touch_prefix(ids)
+            if self.remote is None or local == len(ids):  # nothing to ask the remote tier: one lock hold
+                return self._count_match(len(ids), on_device, on_host, 0, local, start)
         remote = 0
         total = local
-        if self.remote is not None and local < len(ids):
+        if local < len(ids):
             rest = ids[local:]
             try:
                 in_remote = self.remote.contains_ids(rest)
@@ -343,12 +350,15 @@ class TieredPool:
                         break
                     total += 1
         with self._lock:
-            c = self.counters
-            c.hits["device"] += on_device
-            c.hits["host"] += on_host
-            c.hits["remote"] += remote
-            c.misses += len(ids) - total
-            c.latency["match"].observe(time.perf_counter() - start)
+            return self._count_match(len(ids), on_device, on_host, remote, total, start)
+
+    def _count_match(self, asked: int, on_device: int, on_host: int, remote: int, total: int, start: float) -> MatchResult:
+        c = self.counters
+        c.hits["device"] += on_device
+        c.hits["host"] += on_host
+        c.hits["remote"] += remote
+        c.misses += asked - total
+        c.latency["match"].observe(time.perf_counter() - start)
         return MatchResult(device=on_device, host=on_host, remote=remote, total=total)
 
     def _walk(self, ids: list[bytes], start: int) -> tuple[int, int, int]:
@@ -625,7 +635,7 @@ class TieredPool:
                             self._backup_queue.append(s)
                     if len(self._backup_queue):
                         self._breaker.force_probe()
-                        self._changed.notify_all()
+                        self._backup_work.notify()
                 left = self._not_durable()
             # Wait for everything this round started, then look again while that helps.
             self._wait_idle(deadline)
@@ -690,6 +700,8 @@ class TieredPool:
                 self.counters.dropped["close"] += left
                 log.warning("close: %d pages were not made durable and are gone", left)
             self._changed.notify_all()
+            self._backup_work.notify_all()
+            self._offload_work.notify_all()
         self._offloader.join()
         for ticket, _ in self._inflight:
             ticket.synchronize()
@@ -938,7 +950,7 @@ class TieredPool:
             host.reuse(free, S.LOADING, busy_delta)
             into.extend(free)
         if queued:
-            self._changed.notify_all()
+            self._backup_work.notify()
         self.counters.evictions["host"] += len(free)
         return len(free) + queued
 
@@ -967,7 +979,7 @@ class TieredPool:
                 ids = [host.id_of(s) for s in slots]
                 buffers = [tier.page(s) for s in slots]
                 return ids, buffers, lambda ok, error, seconds: self._backup_done(slots, ok, error, seconds)
-            self._changed.wait(timeout=None if not len(queue) else max(0.001, self._breaker.wait_s()))
+            self._backup_work.wait(timeout=None if not len(queue) else max(0.001, self._breaker.wait_s()))
 
     def _backup_done(self, slots: list[int], ok: list[bool], error, seconds: float) -> None:
         host = self._host
@@ -999,7 +1011,7 @@ class TieredPool:
         for slot in ready:
             self._backup_queue.append(slot)
         if ready:
-            self._changed.notify_all()
+            self._backup_work.notify()
 
     def _fetch(self, ids: list[bytes], for_load: bool) -> list[tuple[int, Ticket]]:
         """Start reading remote pages into host slots (as many as have room now).
@@ -1090,7 +1102,7 @@ class TieredPool:
         with self._lock:
             while True:
                 while not self._pending_down and not self._closed:
-                    self._changed.wait()
+                    self._offload_work.wait()
                 if self._closed:
                     return  # close flushed every dirty page first
                 batches, self._pending_down = self._pending_down, []
@@ -1135,7 +1147,7 @@ class TieredPool:
             if self._link is not None and self.write_policy.copy_on_commit() and host_good:
                 for slot in host_good:
                     self._backup_queue.append(slot)
-                self._changed.notify_all()
+                self._backup_work.notify()
             if evicting:
                 self._free_evicted(moving)
 
