@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -63,6 +65,8 @@ class NoCopyEngine(TransferEngine):
         return DoneTicket(self.num_layers)
 
 
+POOL_OPTIONS: dict = {}  # keyword arguments every pool of this run gets (--copies)
+
 TINY = dict(num_layers=1, num_kv_heads=1, head_dim=16, page_size=1, dtype="fp8_e4m3", scale="per_tensor")
 
 
@@ -83,7 +87,7 @@ def section_batch(args) -> dict:
     for policy in ("write_through", "write_back"):
         rounds = []
         for r in range(args.repeat):
-            pool = TieredPool(fmt, device_pages=2 * batch, host_pages=4 * batch, write_policy=policy,
+            pool = TieredPool(fmt, **POOL_OPTIONS, device_pages=2 * batch, host_pages=4 * batch, write_policy=policy,
                               engine=NoCopyEngine, registry=CollectorRegistry())
             keys = prefix_keys(np.arange(r * 1_000_003, r * 1_000_003 + batch * 16) % 2**31, 16, pool.namespace)
             out = {}
@@ -133,7 +137,7 @@ def _fill(pool, host_pages: int, device_pages: int, chunk: int = 8192) -> list:
 def section_full(args) -> dict:
     fmt = PageFormat(**TINY)
     registry = CollectorRegistry()
-    pool = TieredPool(fmt, device_pages=args.device_pages, host_pages=args.host_pages, write_policy="write_through",
+    pool = TieredPool(fmt, **POOL_OPTIONS, device_pages=args.device_pages, host_pages=args.host_pages, write_policy="write_through",
                       engine=NoCopyEngine, registry=registry)
     t = time.perf_counter()
     keys = _fill(pool, args.host_pages, args.device_pages)
@@ -215,7 +219,7 @@ def section_memory(args) -> dict:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    pool = TieredPool(fmt, device_pages=1024, host_pages=args.host_pages, write_policy="write_through",
+    pool = TieredPool(fmt, **POOL_OPTIONS, device_pages=1024, host_pages=args.host_pages, write_policy="write_through",
                       engine=NoCopyEngine, registry=CollectorRegistry())
     empty = tracemalloc.get_traced_memory()[0]
     chunk = 1024
@@ -242,7 +246,7 @@ def section_memory(args) -> dict:
 # --- keys -----------------------------------------------------------------------------------
 def section_keys(args) -> dict:
     fmt = PageFormat(**TINY)
-    pool = TieredPool(fmt, device_pages=8, host_pages=8, engine=NoCopyEngine, registry=CollectorRegistry())
+    pool = TieredPool(fmt, **POOL_OPTIONS, device_pages=8, host_pages=8, engine=NoCopyEngine, registry=CollectorRegistry())
     rng = np.random.default_rng(0)
     out = {}
     for page, n in ((1, 400_000), (16, 4_000_000)):
@@ -264,7 +268,7 @@ def _time(fn) -> float:
 def section_threads(args) -> dict:
     fmt = PageFormat(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="fp8_e4m3", scale="per_page_head")
     with tempfile.TemporaryDirectory() as store:
-        pool = TieredPool(fmt, device_pages=512, host_pages=1024, write_policy="write_through",
+        pool = TieredPool(fmt, **POOL_OPTIONS, device_pages=512, host_pages=1024, write_policy="write_through",
                           registry=CollectorRegistry(), remote=store)
         warm = _keys(pool, 4096, seed=7)
         for start in range(0, len(warm), 256):
@@ -360,13 +364,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-pages", type=int, default=1_000_000, help="host tier size of 'full' and 'memory'")
     ap.add_argument("--device-pages", type=int, default=100_000, help="device tier size of 'full'")
     ap.add_argument("--calls", type=int, default=200, help="calls timed per operation and batch (default 200)")
+    ap.add_argument("--copies", choices=("background", "inline"), default="background",
+                    help="where write-through copies start: the pool's offload thread (default) or inside commit")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this run (seconds; CPython's default is 0.005)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     wanted = [s for s in args.sections.split(",") if s]
+    if "background_copies" in inspect.signature(TieredPool).parameters:  # older revisions lack it
+        POOL_OPTIONS["background_copies"] = args.copies == "background"
     unknown = [s for s in wanted if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(), "torch": torch.__version__,
+            "copies": args.copies, "switch_interval_s": sys.getswitchinterval(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     print(f"kvtier control plane, {meta}")
     results = {"meta": meta}

@@ -107,6 +107,10 @@ class TieredPool:
     device_kv / device_scales: the serving engine's own KV tensors (see DeviceTier: (K, V)
     or (latent, None), stacked or per-layer lists); device_pages and device then come from
     them. Without them the pool allocates device_pages (default 1024) on device (default cpu).
+    background_copies: write-through copies start on the pool's offload thread after commit
+    returns (True, the default: commit costs only its own bookkeeping, and the copy's work runs
+    while the engine's thread waits on the GPU), or inside commit (False: better for a caller
+    that never blocks, where a second thread only competes for the GIL).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class TieredPool:
         remote_batch_bytes: int = 64 << 20,
         device_kv=None,
         device_scales=None,
+        background_copies: bool = True,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
@@ -198,8 +203,10 @@ class TieredPool:
             self._link = RemoteLink(
                 self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup
             )
-        self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
-        self._offloader.start()
+        self._offloader = None
+        if background_copies:
+            self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
+            self._offloader.start()
 
     @classmethod
     def from_config(cls, config=None, **overrides) -> TieredPool:
@@ -305,10 +312,13 @@ class TieredPool:
             dev.set_states(clean, S.RESIDENT)
             dev.set_states(dirty, S.DIRTY)
             if absent_slots and self.write_policy.copy_on_commit():
-                # The copy down is started by the offload thread, so that commit costs the
-                # engine only the bookkeeping of its own pages.
-                self._pending_down.append((absent_slots, absent_ids, ready))
-                self._offload_work.notify()
+                # background_copies: the offload thread starts the copy down, so that commit
+                # costs the engine only the bookkeeping of its own pages.
+                if self._offloader is not None:
+                    self._pending_down.append((absent_slots, absent_ids, ready))
+                    self._offload_work.notify()
+                else:
+                    self._start_copy_down(absent_slots, absent_ids, evicting=False, ready=ready)
             self.counters.latency["commit"].observe(time.perf_counter() - start)
             return len(fresh_ids)
 
@@ -702,7 +712,8 @@ class TieredPool:
             self._changed.notify_all()
             self._backup_work.notify_all()
             self._offload_work.notify_all()
-        self._offloader.join()
+        if self._offloader is not None:
+            self._offloader.join()
         for ticket, _ in self._inflight:
             ticket.synchronize()
         self.engine.close()
