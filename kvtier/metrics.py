@@ -15,8 +15,9 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 TIERS = ("device", "host", "remote")
@@ -82,7 +83,7 @@ _collectors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _collectors_lock = threading.Lock()
 
 
-def register_pool(registry, pool, name: str | None) -> str:
+def register_pool(registry: object | None, pool: object, name: str | None) -> str:
     """Add `pool` to the registry's kvtier collector (registering it once); returns the pool's
     name, unique among the registry's pools (`name` if given, else pool0, pool1, ...)."""
     if name is not None and (not isinstance(name, str) or not name):
@@ -102,7 +103,7 @@ def register_pool(registry, pool, name: str | None) -> str:
     return name
 
 
-def unregister_pool(registry, pool) -> None:
+def unregister_pool(registry: object | None, pool: object) -> None:
     if registry is None:
         return
     with _collectors_lock:
@@ -117,7 +118,7 @@ class PoolsCollector(Collector):
     def __init__(self) -> None:
         self.pools: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         snapshots = []
         for pool in list(self.pools.values()):
             try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ def key_id(key: str | bytes) -> bytes:
     raise TypeError(f"a key must be str or bytes, got {type(key).__name__} {_describe(key)}")
 
 
-def key_ids(keys) -> list[bytes]:
+def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
     """Ids of a batch of keys, in order. Checks every key before returning anything.
 
     Raises TypeError / ValueError naming the first bad key and its position.
@@ -109,7 +110,7 @@ class Namespace:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def prefix_keys(token_ids, page_size: int, namespace: Namespace, prior: bytes | None = None) -> list[bytes]:
+def prefix_keys(token_ids: Iterable[int] | np.ndarray, page_size: int, namespace: Namespace, prior: bytes | None = None) -> list[bytes]:
     """Keys (32 raw bytes each) of the full pages of `token_ids`; a trailing partial page gets no key.
 
     `prior` continues a chain: the key of the page just before `token_ids[0]`.

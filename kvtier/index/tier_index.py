@@ -15,6 +15,7 @@ It must never move bytes or take locks: the pool serializes calls.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable, Sequence
 
 from kvtier.index.eviction import EvictionPolicy
 from kvtier.index.key_table import DictKeyTable, KeyTable
@@ -72,7 +73,7 @@ class TierIndex:
     def set_state(self, slot: int, new: PageState) -> None:
         self.set_states((slot,), new)
 
-    def set_states(self, slots, new: PageState, busy_delta: int = 0) -> None:
+    def set_states(self, slots: Sequence[int], new: PageState, busy_delta: int = 0) -> None:
         """Move every slot to `new` (each transition checked), and change its copies in
         flight by `busy_delta` (+1: a copy starts using it, -1: a copy finished).
 
@@ -172,7 +173,7 @@ class TierIndex:
         self.set_states(slots, state, busy_delta)
         return slots
 
-    def reuse(self, slots, state: PageState, busy_delta: int = 0) -> None:
+    def reuse(self, slots: Iterable[int], state: PageState, busy_delta: int = 0) -> None:
         """Evict keyed, evictable slots (RESIDENT, or DIRTY pages the caller lets go) and hand
         them straight to a new page in `state` (LOADING), `busy_delta` copies on each: the same
         as moving them to FREE and taking them back, in one pass."""
@@ -200,7 +201,7 @@ class TierIndex:
             if busy_delta:
                 self.busy_slots += count
 
-    def bind_all(self, slots, kids) -> None:
+    def bind_all(self, slots: Iterable[int], kids: Iterable[bytes]) -> None:
         """Key each slot (FILLING or LOADING, unkeyed) with its id."""
         bind = self.table.bind
         for slot, kid in zip(slots, kids):
@@ -212,7 +213,7 @@ class TierIndex:
         self.pins[slot] += 1
         self.policy.remove(slot)
 
-    def pin_all(self, slots) -> None:
+    def pin_all(self, slots: Iterable[int]) -> None:
         """Pin slots that are not in the eviction order (FILLING or LOADING ones)."""
         pins = self.pins
         for slot in slots:
@@ -228,7 +229,7 @@ class TierIndex:
             self.held -= 1
             self._refresh(slot)
 
-    def hold_all(self, slots, touch: bool = False) -> None:
+    def hold_all(self, slots: Iterable[int], touch: bool = False) -> None:
         """A copy starts reading or writing each slot: none is evicted until `unhold_all`."""
         busy, hits, remove = self.busy, self.hits, self.policy.remove
         for slot in slots:
@@ -239,7 +240,7 @@ class TierIndex:
             if touch and hits[slot] < _HITS_MAX:
                 hits[slot] += 1
 
-    def unhold_all(self, slots) -> None:
+    def unhold_all(self, slots: Iterable[int]) -> None:
         busy, pins, state, add = self.busy, self.pins, self.state, self.policy.add
         evictable = _EVICTABLE
         for slot in slots:

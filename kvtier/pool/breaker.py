@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 from enum import IntEnum
 
 
@@ -22,7 +23,7 @@ class BreakerState(IntEnum):
 
 
 class CircuitBreaker:
-    def __init__(self, base_s: float = 0.1, max_s: float = 30.0, clock=time.monotonic) -> None:
+    def __init__(self, base_s: float = 0.1, max_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < base_s <= max_s:
             raise ValueError(f"back-off must satisfy 0 < base_s <= max_s, got base_s={base_s!r} max_s={max_s!r}")
         self.base_s = base_s

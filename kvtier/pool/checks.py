@@ -8,15 +8,16 @@ page states.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
 
-def check_count(n, what: str = "page count") -> int:
+def check_count(n: object, what: str = "page count") -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{what} must be an int >= 0, got {n!r}")
     return n
 
 
-def check_slots(slots, capacity: int) -> list[int]:
+def check_slots(slots: Iterable[object], capacity: int) -> list[int]:
     """Device slots as a list of ints in range, without repeats.
 
     Slots are indexes: ints and integer types (numpy, torch scalars) are accepted through
@@ -48,7 +49,7 @@ def check_unique(ids: list[bytes]) -> None:
         raise ValueError("keys must not repeat within one call")
 
 
-def check_positive(value, what: str, integer: bool = False):
+def check_positive(value: object, what: str, integer: bool = False) -> int | float:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
         kind = "an int" if integer else "a number"

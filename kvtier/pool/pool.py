@@ -31,9 +31,12 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from prometheus_client import REGISTRY
+
+from collections.abc import Iterable
 
 from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
@@ -47,7 +50,13 @@ from kvtier.pool.remote_link import RemoteLink
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.tiers.remote import RemoteStore
+
 S = PageState
+Key = str | bytes
 log = logging.getLogger(__name__)
 
 COPY_PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
@@ -121,14 +130,14 @@ class TieredPool:
         host_pages: int = 4096,
         write_policy: str = "write_through",
         eviction: str = "lru",
-        engine="auto",
+        engine: str | Callable = "auto",
         copy_path: str = "auto",
         model: str = "default",
         rank: int = 0,
         transform: ReloadTransform | None = None,
-        registry=REGISTRY,
+        registry: CollectorRegistry | None = REGISTRY,
         name: str | None = None,
-        remote=None,
+        remote: str | os.PathLike | RemoteStore | None = None,
         remote_capacity_bytes: int | None = None,
         remote_queue_depth: int = 64,
         host_bytes: int | None = None,
@@ -136,8 +145,8 @@ class TieredPool:
         remote_backoff_s: float = 0.1,
         remote_backoff_max_s: float = 30.0,
         remote_batch_bytes: int = 64 << 20,
-        device_kv=None,
-        device_scales=None,
+        device_kv: tuple | None = None,
+        device_scales: tuple | None = None,
         background_copies: bool = True,
     ) -> None:
         if not isinstance(fmt, PageFormat):
@@ -209,7 +218,7 @@ class TieredPool:
             self._offloader.start()
 
     @classmethod
-    def from_config(cls, config=None, **overrides) -> TieredPool:
+    def from_config(cls, config: Mapping | str | os.PathLike | None = None, **overrides: object) -> TieredPool:
         """A pool from a mapping or a JSON / TOML / YAML file, with KVTIER_* environment
         overrides and human sizes ("64GiB"); keyword overrides win (kvtier.config)."""
         from kvtier.config import pool_kwargs
@@ -217,11 +226,11 @@ class TieredPool:
         return cls(**pool_kwargs(config, **overrides))
 
     # --- engine-facing views -------------------------------------------------------------
-    def device_kv(self, layer: int):
+    def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(K, V) device pages of `layer`, each (device_pages, *plane_shape); (latent, None) under MLA."""
         return self.device_tier.layer_kv(layer)
 
-    def device_scales(self, layer: int):
+    def device_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(K, V) fp32 scales of `layer`, (device_pages, *scale_shape); (None, None) without device scales."""
         return self.device_tier.layer_scales(layer)
 
@@ -236,7 +245,7 @@ class TieredPool:
         check_count(n)
         return self._take_device(n)
 
-    def release(self, slots) -> None:
+    def release(self, slots: Iterable[int]) -> None:
         """The engine stops holding these slots; uncommitted ones are freed, committed ones stay cached."""
         slots = check_slots(slots, self._dev.capacity)
         with self._lock:
@@ -251,7 +260,7 @@ class TieredPool:
                     dev.set_state(slot, S.FREE)
             self._reap()
 
-    def acquire(self, keys) -> list[int]:
+    def acquire(self, keys: Iterable[Key]) -> list[int]:
         """Hold the device slots of the leading device-resident keys; returns their slots."""
         ids = key_ids(keys)
         with self._lock:
@@ -270,7 +279,7 @@ class TieredPool:
             return slots
 
     # --- commit / match / load ----------------------------------------------------------
-    def commit(self, keys, slots) -> int:
+    def commit(self, keys: Iterable[Key], slots: Iterable[int]) -> int:
         """The pages in `slots` (from `allocate`) now hold `keys`; the write policy applies.
 
         A key already on the device keeps its slot; the new slot stays an unkeyed page the
@@ -322,7 +331,7 @@ class TieredPool:
             self.counters.latency["commit"].observe(time.perf_counter() - start)
             return len(fresh_ids)
 
-    def match(self, keys) -> MatchResult:
+    def match(self, keys: Iterable[Key]) -> MatchResult:
         """The loadable prefix of `keys`, split by nearest tier (see MatchResult); counts hits.
 
         The remote tier's index is asked without the pool's lock held.
@@ -405,7 +414,7 @@ class TieredPool:
         self._copy_popular(touched_dev)
         self._backup_popular(touched_host)
 
-    def load(self, keys, slots=None) -> LoadHandle:
+    def load(self, keys: Iterable[Key], slots: Iterable[int] | None = None) -> LoadHandle:
         """Bring `keys` to the device from wherever they are; `handle.slots` says where.
 
         slots=None: device-resident keys are held where they are, the rest land in new
@@ -577,7 +586,7 @@ class TieredPool:
         return LoadHandle(tickets, self.fmt.num_layers, out)
 
     # --- eviction / flush / close --------------------------------------------------------
-    def evict(self, n: int | None = None, tier: str = "device", keys=None) -> int:
+    def evict(self, n: int | None = None, tier: str = "device", keys: Iterable[Key] | None = None) -> int:
         """Evict up to n unheld pages (all when n is None), or exactly `keys`, from `tier`.
 
         The write policy applies: dirty pages are copied down first (waiting outside the lock)
@@ -1041,7 +1050,7 @@ class TieredPool:
         host.bind_all(slots, ids)
         buffers = [tier.page(s) for s in slots]
 
-        def apply(ok: list[bool], error, seconds: float) -> None:
+        def apply(ok: list[bool], error: BaseException | None, seconds: float) -> None:
             good = [s for s, o in zip(slots, ok) if o]
             bad = [s for s, o in zip(slots, ok) if not o]
             for s in slots:
@@ -1071,7 +1080,7 @@ class TieredPool:
             self._fetching[s] = ticket
         return [(s, ticket) for s in slots]
 
-    def prefetch_to_host(self, keys) -> Ticket | None:
+    def prefetch_to_host(self, keys: Iterable[Key]) -> Ticket | None:
         """Start bringing the remote-only pages among `keys` into the host tier on the remote
         reader; returns its ticket at once (None when nothing needs fetching or there is no room
         now). A hint: it never waits and never raises for the pages."""

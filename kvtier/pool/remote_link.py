@@ -57,7 +57,7 @@ Apply = Callable[[list[bool], "BaseException | None", float], None]
 
 
 class RemoteLink:
-    def __init__(self, store, lock: threading.Lock, changed: threading.Condition, num_layers: int,
+    def __init__(self, store: object, lock: threading.Lock, changed: threading.Condition, num_layers: int,
                  queue_depth: int, next_batch: Callable[[], tuple | None]) -> None:
         self.store = store
         self.num_layers = num_layers

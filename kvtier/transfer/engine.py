@@ -96,18 +96,18 @@ class TransferEngine(ABC):
     name = "abstract"
 
     @abstractmethod
-    def offload(self, device_slots: list[int], host_slots: list[int], ready=None) -> Ticket:
+    def offload(self, device_slots: list[int], host_slots: list[int], ready: object | None = None) -> Ticket:
         """Copy device pages into host records (quantizing when the format converts)."""
 
     @abstractmethod
-    def reload(self, host_slots: list[int], device_slots: list[int], ready=None) -> Ticket:
+    def reload(self, host_slots: list[int], device_slots: list[int], ready: object | None = None) -> Ticket:
         """Copy host records into device pages layer by layer (upcasting when it converts)."""
 
     @abstractmethod
     def device_copy(self, src_slots: list[int], dst_slots: list[int]) -> Ticket:
         """Copy device pages to other device slots (all layers, planes and scales)."""
 
-    def record_ready(self):
+    def record_ready(self) -> object | None:
         """An event after the work queued so far on the caller's stream (None on the CPU)."""
         return None
 

@@ -29,7 +29,7 @@ class TorchEngine(TransferEngine):
     def _index(self, slots: list[int], device: torch.device) -> torch.Tensor:
         return torch.as_tensor(slots, dtype=torch.int64, device=device)
 
-    def offload(self, device_slots, host_slots, ready=None) -> Ticket:
+    def offload(self, device_slots: list[int], host_slots: list[int], ready: object | None = None) -> Ticket:
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
         di = self._index(device_slots, dev.device)
         hi = self._index(host_slots, host.buffer.device)
@@ -54,7 +54,7 @@ class TorchEngine(TransferEngine):
                     host.scale_view(layer, plane)[hi] = dev.scale_plane(layer, plane).index_select(0, di).to(host.buffer.device)
         return DoneTicket(fmt.num_layers, failed)
 
-    def reload(self, host_slots, device_slots, ready=None) -> Ticket:
+    def reload(self, host_slots: list[int], device_slots: list[int], ready: object | None = None) -> Ticket:
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
         di = self._index(device_slots, dev.device)
         hi = self._index(host_slots, host.buffer.device)
@@ -73,7 +73,7 @@ class TorchEngine(TransferEngine):
                     self.transform(layer, plane, dev.plane(layer, plane), di)
         return DoneTicket(fmt.num_layers)
 
-    def device_copy(self, src_slots, dst_slots) -> Ticket:
+    def device_copy(self, src_slots: list[int], dst_slots: list[int]) -> Ticket:
         dev = self.device_tier
         si = self._index(src_slots, dev.device)
         di = self._index(dst_slots, dev.device)
