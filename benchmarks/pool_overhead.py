@@ -341,7 +341,7 @@ def section_threads(args) -> dict:
         arr = np.array(values) * 1e6
         res[name] = {"p50_us": float(np.percentile(arr, 50)), "p99_us": float(np.percentile(arr, 99)),
                      "max_us": float(arr.max())}
-    print(f"\n== threads: match(16) p50 / p99 / max (target p99 <= 200 µs)")
+    print("\n== threads: match(16) p50 / p99 / max (target p99 <= 200 µs)")
     for name, label in (("alone", "alone"), ("paced", "beside commit, load and flush threads that pause 1 ms between calls"),
                         ("busy", "beside the same threads calling back to back (Python's GIL hands over every 5 ms)")):
         r = res[name]

@@ -272,7 +272,7 @@ class TinyDecoder:
         called before layer i's attention reads the pages (pages still arriving from a load).
         Returns float32 logits (batch, vocab).
         """
-        c, page = self.config, kv.fmt.page_size
+        page = kv.fmt.page_size
         batch = tokens.shape[0]
         rows = positions % page
         slots = page_table.gather(1, (positions // page)[:, None].to(page_table.dtype)).squeeze(1).long()
