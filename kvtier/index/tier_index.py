@@ -261,10 +261,6 @@ class TierIndex:
         """Up to n evictable slots, first victim first (reads at most n entries)."""
         return self.policy.victims(n)
 
-    def dirty_slots(self) -> list[int]:
-        """Every DIRTY slot, oldest first: O(dirty slots)."""
-        return list(self.dirty)
-
     def check(self) -> None:
         """Raise AssertionError naming the first slot whose facts disagree (tests call this after
         stress; it is O(capacity), never called by the pool)."""

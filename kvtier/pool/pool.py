@@ -801,7 +801,7 @@ class TieredPool:
                     more = dev.take_free(n - len(got), S.FILLING)
                     need = n - len(got) - len(more)
                     if need:
-                        self._make_room(dev, need)
+                        self._make_device_room(need)
                         more += dev.take_free(need, S.FILLING)
                     dev.pin_all(more)
                     got += more
@@ -912,13 +912,14 @@ class TieredPool:
                 self._evict_host(host.victims(need + _OVERSCAN), want=need, into=slots, busy_delta=busy_delta)
         return slots
 
-    def _make_room(self, index: TierIndex, need: int) -> None:
+    def _make_device_room(self, need: int) -> None:
         """Evict from the device tier's LRU front until `need` slots are free or on their way.
         The first look reads `need` entries; only when it had to pass pages over (dirty ones
         whose copy cannot start yet) does a second look read up to _OVERSCAN entries further."""
-        got = self._evict_device(index.victims(need), want=need)
+        dev = self._dev
+        got = self._evict_device(dev.victims(need), want=need)
         if got < need:
-            self._evict_device(index.victims(need + _OVERSCAN), want=need - got)
+            self._evict_device(dev.victims(need + _OVERSCAN), want=need - got)
     def _evict_host(self, victims: list[int], want: int | None = None, into: list | None = None,
                     busy_delta: int = 0) -> int:
         """Free host slots from `victims` (LRU order) until `want` are free or on their way.
