@@ -7,7 +7,8 @@ and scale bytes the kernel must read over its median time (triton.testing.do_ben
 before every call). The copy rate is `dst.copy_(src)` of 1 GiB, counted as bytes read plus
 bytes written (the HBM traffic a copy makes), so the ratio compares like with like; the JSON
 keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
-size, warp count and pipeline stages per dtype at batch 16, 16k tokens.
+size, warp count, pipeline stages (and for fp8 pages the dots' dtype) per dtype at batch 16, 16k tokens,
+then the split plan's target number of programs for that config at batch 16 and at batch 1.
 
 Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
 times say nothing about a GPU.
@@ -28,14 +29,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvtier.decode import attention  # noqa: E402
 from kvtier.decode.attention import paged_decode_attention, split_plan  # noqa: E402
 from kvtier.format import quantize  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-TUNE_CONFIGS = [
-    dict(block_n=bn, num_warps=warps, num_stages=stages)
-    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3))
-]
+KERNEL_SHAPES = ((32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 4, 3),
+                 (128, 8, 2), (128, 8, 3))
+TUNE_CONFIGS = {
+    "fp8": [dict(block_n=bn, num_warps=warps, num_stages=stages, fp8_dot=dot)
+            for dot in ("fp16", "query") for bn, warps, stages in KERNEL_SHAPES],
+    "bf16": [dict(block_n=bn, num_warps=warps, num_stages=stages) for bn, warps, stages in KERNEL_SHAPES],
+}
+# Programs the split plan aims for, tried with each dtype's best kernel config.
+TARGET_PROGRAMS = (132, 264, 528, 1056)
 
 
 def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
@@ -96,18 +103,43 @@ def copy_rate(cuda: bool, device: str) -> dict:
     return {"bytes": nbytes, "seconds": seconds, "copy_gbps": nbytes / seconds / 1e9, "hbm_gbps": 2 * nbytes / seconds / 1e9}
 
 
+def _registers() -> dict:
+    """Registers and spills of the split kernel compiled last (empty where Triton does not say)."""
+    try:
+        cache = next(iter(attention._decode_split.device_caches.values()))[0]
+        kernel = list(cache.values())[-1]
+        return {"regs": kernel.n_regs, "spills": kernel.n_spills}
+    except Exception:  # interpreter, or another Triton's layout of its caches
+        return {}
+
+
 def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: torch.Generator) -> tuple[dict, list]:
+    """The best kernel config at (batch, context), then the best split target for it at that point
+    and at batch 1 (where splits matter most)."""
     args = make_inputs(batch, context, dtype, device, gen)
     tried = []
-    for config in TUNE_CONFIGS:
+    for config in TUNE_CONFIGS[dtype]:
         seconds = time_call(lambda: paged_decode_attention(**args, **config), cuda)
-        tried.append({**config, "seconds": seconds, "gbps": bytes_read(args, context) / seconds / 1e9})
-    del args
+        tried.append({**config, "seconds": seconds, "gbps": bytes_read(args, context) / seconds / 1e9, **_registers()})
+        print(f"  {dtype} {config}: {tried[-1]['gbps']:.0f} GB/s {_registers()}", flush=True)
     best = max(tried, key=lambda row: row["gbps"])
-    return {k: best[k] for k in ("block_n", "num_warps", "num_stages")}, tried
+    config = {k: best[k] for k in TUNE_CONFIGS[dtype][0]}
+    one = make_inputs(1, context, dtype, device, gen)
+    default_target = attention.TARGET_PROGRAMS
+    for target in TARGET_PROGRAMS:
+        attention.TARGET_PROGRAMS = target
+        for b, inputs in ((batch, args), (1, one)):
+            seconds = time_call(lambda: paged_decode_attention(**inputs, **config), cuda)
+            tried.append({**config, "target_programs": target, "batch": b, "seconds": seconds,
+                          "gbps": bytes_read(inputs, context) / seconds / 1e9})
+            print(f"  {dtype} target {target} batch {b}: {tried[-1]['gbps']:.0f} GB/s", flush=True)
+    attention.TARGET_PROGRAMS = default_target
+    del args, one
+    return config, tried
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TARGET_PROGRAMS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points (batch 1/16/64, context 1k/8k/32k)")
     ap.add_argument("--json", type=Path, default=None)
@@ -125,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         meta = {"mode": "cpu twin (Triton interpreter): times say nothing about a GPU"}
         batches, contexts, tune_at = (1, 2), (64, 256), (2, 256)
-        TUNE_CONFIGS[:] = TUNE_CONFIGS[:2]
+        for configs in TUNE_CONFIGS.values():
+            configs[:] = configs[:2]
+        TARGET_PROGRAMS = (264,)
     print(f"decode attention bandwidth: {meta}", flush=True)
     copy = copy_rate(cuda, device)
     print(f"device-to-device copy of {copy['bytes'] >> 20} MiB: {copy['copy_gbps']:.0f} GB/s copied, "

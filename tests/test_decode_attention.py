@@ -120,12 +120,14 @@ def _abs_pages(pages: torch.Tensor) -> torch.Tensor:
     return (pages.view(torch.int16) & 0x7FFF).view(pages.dtype)
 
 
-def assert_close_to_reference(out: torch.Tensor, args: dict) -> None:
-    """|out - ref| <= ulp(q dtype) * (attention over |V|) + ulp(out dtype) * |ref|, plus fp32 noise."""
+def assert_close_to_reference(out: torch.Tensor, args: dict, dot_dtype: torch.dtype | None = None) -> None:
+    """|out - ref| <= ulp(dot dtype) * (attention over |V|) + ulp(out dtype) * |ref|, plus fp32 noise.
+
+    The dot dtype is the query's unless given (fp8 pages under fp8_dot="fp16": fp16)."""
     ref = reference_decode_attention(**args)
     assert torch.isfinite(out).all(), "the kernel read a poisoned slot"
     mean_abs_v = reference_decode_attention(**dict(args, v_pages=_abs_pages(args["v_pages"])))
-    bound = (ULP[args["q"].dtype] + 1e-5) * mean_abs_v + ULP[out.dtype] * ref.abs()
+    bound = (ULP[dot_dtype or args["q"].dtype] + 1e-5) * mean_abs_v + ULP[out.dtype] * ref.abs()
     err = (out.double() - ref).abs()
     worst = (err / bound).max().item()
     assert worst <= 1, f"max error {err.max().item():.3g} is {worst:.2f}x its bound"
@@ -138,6 +140,26 @@ def test_matches_float64_reference(dtype, scale, layout):
     out = torch.empty(args["q"].shape, dtype=torch.float32, device=DEVICE)
     paged_decode_attention(**args, out=out, num_splits=1 + seed % 4, block_n=16 << (seed % 3))
     assert_close_to_reference(out, args)
+
+
+FP8_CASES = [(dt, sc) for dt, sc in PAGE_DTYPE_SCALES if dt.startswith("fp8")]
+
+
+@pytest.mark.parametrize("dtype,scale", FP8_CASES)
+@pytest.mark.parametrize("q_mult,v_mult", [(1.0, 1.0), (3e5, 1e-4), (2e-5, 4e3)])
+def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
+    """Both dot dtypes for fp8 pages, with queries far outside fp16's range (or deep in its
+    subnormals) and V's scales far from 1: the fp16 dots rescale the query by a power of two and
+    the probabilities by each block's largest V scale, so they keep fp16's precision everywhere;
+    converting pages to the query's dtype keeps bf16's."""
+    seed = 500 + FP8_CASES.index((dtype, scale))
+    args = make_case(seed, dtype, scale, "nhd", page_size=16, max_len=300, group=4, kv_heads=2)
+    args["q"] = (args["q"].float() * q_mult).bfloat16()
+    args["v_scales"] = args["v_scales"] * v_mult
+    for fp8_dot, dot_dtype in (("fp16", torch.float16), ("query", torch.bfloat16)):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, num_splits=3, block_n=32, fp8_dot=fp8_dot)
+        assert_close_to_reference(out, args, dot_dtype)
 
 
 @pytest.mark.parametrize("dtype,scale", [("bf16", "none"), ("fp8_e4m3", "per_token_head")])
@@ -244,5 +266,7 @@ def test_bad_head_dim_and_block():
     args = _valid()
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         paged_decode_attention(**args, block_n=24)
+    with pytest.raises(ValueError, match="fp8_dot must be one of"):
+        paged_decode_attention(**args, fp8_dot="bf16")
     with pytest.raises(ValueError, match="num_splits must be an int >= 1, got 0"):
         paged_decode_attention(**args, num_splits=0)

@@ -48,6 +48,7 @@ LOG2E = 1.4426950408889634
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
+FP8_DOTS = ("fp16", "query")
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
 MIN_DOT = 16
 # Split-KV aims for this many programs in flight (about two waves on an H200's 132 SMs) and
@@ -82,12 +83,18 @@ def _decode_split(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     SCALED: tl.constexpr,
+    F16: tl.constexpr,
     DOT_F32: tl.constexpr,
     SINGLE: tl.constexpr,
 ):
     """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
 
     SINGLE (one split covers every sequence): the output itself, and no merge follows.
+    F16 (fp8 pages only): both dots in fp16, which fp8 converts to in one instruction per two
+    values (bf16 takes three more on sm90). fp8 -> fp16 is exact; the query is scaled by a power
+    of two into fp16's range first (exact: its largest element lands in [2^13, 2^14)), and each
+    block's probabilities times V's scales are divided by the block's largest scale, so they lie
+    in [0, 1]; both factors come back in fp32.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,6 +108,14 @@ def _decode_split(
         heads = kvh * GROUP + offs_h
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+        score_scale = qk_scale
+        if F16:
+            q32 = q.to(tl.float32)
+            # Biased exponent e of max|q|, clamped so that both powers of two below are normal.
+            e = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            e = tl.minimum(tl.maximum(e, 14), 254)
+            score_scale = qk_scale * ((e - 13) << 23).to(tl.float32, bitcast=True)  # 2^(e-127-13)
+            q = (q32 * ((267 - e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)  # times 2^-(e-127-13)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -119,7 +134,7 @@ def _decode_split(
             if FP8 == 2:
                 k = k.to(tl.float8e5, bitcast=True)
                 v = v.to(tl.float8e5, bitcast=True)
-            k = k.to(q.dtype)
+            k = k.to(q.dtype)  # fp16 under F16
             v = v.to(q.dtype)
             if DOT_F32:
                 score = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
@@ -127,22 +142,31 @@ def _decode_split(
                 score = tl.dot(q, tl.trans(k))
             if SCALED:
                 k_scale = tl.load(KS + page * stride_ksp + row * stride_kst + kvh * stride_ksh, mask=live, other=0.0)
-                score = score * (k_scale * qk_scale)[None, :]
+                score = score * (k_scale * score_scale)[None, :]
             else:
-                score = score * qk_scale
+                score = score * score_scale
             score = tl.where(live[None, :], score, float("-inf"))
             m_new = tl.maximum(m, tl.max(score, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(score - m_new[:, None])
             s = s * alpha + tl.sum(p, 1)
+            v_max = 1.0
             if SCALED:
                 v_scale = tl.load(VS + page * stride_vsp + row * stride_vst + kvh * stride_vsh, mask=live, other=0.0)
-                p = p * v_scale[None, :]
+                if F16:
+                    v_max = tl.max(v_scale, 0)
+                    v_max = tl.where(v_max > 0, v_max, 1.0)
+                    p = p * (v_scale / v_max)[None, :]
+                else:
+                    p = p * v_scale[None, :]
             p = p.to(q.dtype)
             if DOT_F32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+                pv = tl.dot(p.to(tl.float32), v.to(tl.float32))
             else:
-                acc = acc * alpha[:, None] + tl.dot(p, v)
+                pv = tl.dot(p, v)
+            if F16:
+                pv = pv * v_max
+            acc = acc * alpha[:, None] + pv
             m = m_new
         if SINGLE:
             o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
@@ -299,6 +323,7 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    fp8_dot: str = "fp16",
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -309,11 +334,15 @@ def paged_decode_attention(
     and <= max_pages * page_size (not checked here: it would cost a device sync).
     Query head h reads kv head h // (q_heads // kv_heads). `num_splits` (default: enough
     programs to fill an H200) cuts each sequence into that many KV ranges, merged after.
+    fp8_dot: with fp8 pages, the dtype both dots run in: "fp16" (default; see _decode_split's F16)
+    or "query" (pages converted to q's dtype, as 16-bit pages are read).
     Returns `out` (q's dtype or float32; a new tensor of q's dtype when None).
     """
     page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
     if block_n < MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
     batch, q_heads = q.shape[0], q.shape[1]
     group = q_heads // heads
     if out is None:
@@ -361,6 +390,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         FP8=fp8,
         SCALED=scaled,
+        F16=bool(fp8) and fp8_dot == "fp16",
         DOT_F32=INTERPRETED,
         SINGLE=single,
         num_warps=num_warps,
