@@ -5,7 +5,8 @@ GQA attention, SwiGLU MLP, an LM head) and `PagedKV`, the engine side of the KV 
 per-layer K and V page tensors the model allocates itself (as sglang's `k_buffer` /
 `v_buffer` lists), the scales beside them when the device keeps fp8, and the code that writes
 tokens into pages and reads pages back for attention. Prefill attention runs in torch over the
-pages' values; decode attention is the Triton kernel reading the pages in place.
+pages' values; decode attention, and a short turn after cached pages (up to EXTEND_MAX_TOKENS
+new tokens, each a row of its own length), is the Triton kernel reading the pages in place.
 It must never decide which page lives where: slots, keys and tiers are the pool's, and the
 generation loop (kvtier.decode.runner) brings the two together.
 
@@ -31,6 +32,10 @@ from kvtier.decode.attention import paged_decode_attention
 from kvtier.format import PageFormat, dequantize, quantize
 from kvtier.format.page_format import FP8_DTYPES
 
+# A prefill after cached pages of at most this many new tokens runs the paged decode kernel, one
+# row per new token: it reads the prefix once per new token, in place, where the torch path
+# gathers and widens the whole prefix to bf16 once per layer.
+EXTEND_MAX_TOKENS = 64
 POISON = 0xFF  # NaN in bf16, fp16 and both fp8 dtypes: a page nothing wrote stays NaN
 
 
@@ -234,8 +239,14 @@ class TinyDecoder:
         pages = -(-n // page)
         new_slots = slots[start // page : start // page + pages]
         positions = torch.arange(start, end, device=self.device)
-        mask = None
-        if start:
+        mask = extend = None
+        if start and n <= EXTEND_MAX_TOKENS:
+            # A short turn after cached pages: each new token is one row of the paged decode
+            # kernel over the pages in place (the sequence's page table, its own length), as an
+            # engine's extend kernel reads them, instead of gathering and widening the whole prefix.
+            table = slots[: start // page + pages].to(torch.int32)[None, :].expand(n, -1).contiguous()
+            extend = (table, (positions + 1).to(torch.int32))
+        elif start:
             key_pos = torch.arange(end, device=self.device)
             mask = key_pos[None, :] <= positions[:, None]
         x = self.embed[tokens]
@@ -250,6 +261,9 @@ class TinyDecoder:
                 tail[i] = padded[:, -1]
             if wait_layer is not None:
                 wait_layer(i)
+            if extend is not None:
+                x = self._finish_layer(layer, x, kv.attend(i, q, *extend))
+                continue
             keys, values = kv.read_tokens(i, slots[: start // page + pages], end)
             # Query heads get their kv head's copy: SDPA's fused kernels (flash for the causal
             # case) take equal head counts, and its fallback would hold a tokens x tokens matrix.
