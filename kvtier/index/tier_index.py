@@ -173,6 +173,32 @@ class TierIndex:
         self.set_states(slots, state, busy_delta)
         return slots
 
+    def take_bound(self, kids: Sequence[bytes]) -> list[int]:
+        """A free slot for each id (the caller checked there are enough), keyed with it, LOADING,
+        one copy in flight and held by the engine: what a load's new page is until its bytes
+        land, in one pass instead of three (take, bind, pin)."""
+        n = len(kids)
+        if not n:
+            return []
+        free = self.free
+        if n > len(free):
+            raise AssertionError(f"{self.name}: {n} slots wanted, {len(free)} free")
+        slots = free[len(free) - n :].tolist()
+        slots.reverse()
+        del free[len(free) - n :]
+        state, pins, busy, bind = self.state, self.pins, self.busy, self.table.bind
+        loading = int(S.LOADING)
+        for slot, kid in zip(slots, kids):
+            bind(kid, slot)
+            state[slot] = loading
+            busy[slot] = 1
+            pins[slot] = 1
+        self.counts[S.FREE] -= n
+        self.counts[S.LOADING] += n
+        self.busy_slots += n
+        self.held += n
+        return slots
+
     def reuse(self, slots: Iterable[int], state: PageState, busy_delta: int = 0) -> None:
         """Evict keyed, evictable slots (RESIDENT, or DIRTY pages the caller lets go) and hand
         them straight to a new page in `state` (LOADING), `busy_delta` copies on each: the same
@@ -220,6 +246,30 @@ class TierIndex:
             if not pins[slot]:
                 self.held += 1
             pins[slot] += 1
+
+    def unpin_all(self, slots: Iterable[int]) -> list[int]:
+        """Drop one engine hold on each slot (every one must be held); returns the slots left
+        unheld in FILLING and idle, which the caller frees."""
+        pins, state, busy = self.pins, self.state, self.busy
+        evictable, add = _EVICTABLE, self.policy.add
+        filling = int(S.FILLING)
+        idle_filling = []
+        for slot in slots:
+            left = pins[slot] - 1
+            if left < 0:
+                raise ValueError(f"{self.name} slot {slot} is not held by the engine (state {PageState(state[slot]).name})")
+            pins[slot] = left
+            if left:
+                continue
+            self.held -= 1
+            st = state[slot]
+            if busy[slot]:
+                continue
+            if evictable[st]:
+                add(slot)
+            elif st == filling:
+                idle_filling.append(slot)
+        return idle_filling
 
     def unpin(self, slot: int) -> None:
         if self.pins[slot] <= 0:

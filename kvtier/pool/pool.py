@@ -65,6 +65,10 @@ _ROUNDS = 64  # a load re-plans at most this many times while other threads take
 # Eviction looks this many entries past what it needs, so pages it must pass over (dirty ones
 # whose copy cannot start yet) do not hide clean pages behind them. Bounded: calls stay O(batch).
 _OVERSCAN = 256
+# A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
+# the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
+_FIRST_CHUNK = 32
+_CHUNK_GROWTH = 4
 
 
 def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
@@ -254,10 +258,7 @@ class TieredPool:
             for slot in slots:
                 if not dev.pins[slot]:
                     raise ValueError(f"device slot {slot} is not held by the engine (state {S(dev.state[slot]).name})")
-            for slot in slots:
-                dev.unpin(slot)
-                if not dev.pins[slot] and dev.state[slot] == S.FILLING and not dev.busy[slot]:
-                    dev.set_state(slot, S.FREE)
+            dev.set_states(dev.unpin_all(slots), S.FREE)
             self._reap()
 
     def acquire(self, keys: Iterable[Key]) -> list[int]:
@@ -434,6 +435,14 @@ class TieredPool:
             with self._lock:
                 self._check_open()
                 self._check_fresh("load", slots)
+        else:
+            with self._lock:
+                self._check_open()
+                self._reap()
+                handle = self._load_now(ids)
+                if handle is not None:
+                    self.counters.latency["load"].observe(time.perf_counter() - start)
+                    return handle
         dev_src, host_src = self._secure_sources(ids)
         new: list[int] = []
         try:
@@ -457,6 +466,108 @@ class TieredPool:
             raise
 
     prefetch = load
+
+    def _load_now(self, ids: list[bytes]) -> LoadHandle | None:
+        """The common load in one hold of the lock, or None (the device as it was, but for
+        evictions) for the general path: every key on the device or readable in the host tier,
+        and device room for the host pages without waiting (free slots, or clean pages to evict).
+        Device pages are held where they are; host pages land in new slots keyed at once
+        (FREE -> LOADING).
+
+        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time),
+        each chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes
+        start moving after one small chunk of Python rather than after all of it. A chunk that
+        finds a key it cannot load now cancels the chunks before it: their pages lose their keys
+        at once and their slots are freed when their copies land.
+        """
+        dev, host, engine = self._dev, self._host, self.engine
+        dget, hget, hstate = dev.table.get, host.table.get, host.state
+        landing = self._dev_landing
+        out = [-1] * len(ids)
+        pinned: list[int] = []  # device pages held where they are
+        started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
+        ready = None
+        pos, chunk = 0, _FIRST_CHUNK
+        while pos < len(ids):
+            end = min(pos + chunk, len(ids))
+            chunk *= _CHUNK_GROWTH
+            srcs, src_ids, src_pos = [], [], []
+            for i in range(pos, end):
+                kid = ids[i]
+                slot = dget(kid)
+                if slot >= 0:
+                    dev.pin(slot)
+                    dev.touch(slot)
+                    pinned.append(slot)
+                    out[i] = slot
+                    continue
+                slot = hget(kid)
+                if slot < 0 or not _READABLE[hstate[slot]]:
+                    self._cancel_load_now(pinned, started)
+                    return None
+                srcs.append(slot)
+                src_ids.append(kid)
+                src_pos.append(i)
+            pos = end
+            n = len(srcs)
+            if not n:
+                continue
+            # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
+            host.hold_all(srcs, touch=True)
+            if n > len(dev.free):
+                if n <= dev.capacity - dev.held:
+                    self._make_device_room(n - len(dev.free))
+                if n > len(dev.free):  # dirty pages are being copied down first (or it can never fit): general path
+                    self._release_host(srcs)
+                    self._cancel_load_now(pinned, started)
+                    return None
+            targets = dev.take_bound(src_ids)
+            if ready is None:
+                ready = engine.record_ready()
+            ticket = engine.reload(srcs, targets, ready=ready)
+            for slot in targets:
+                landing[slot] = ticket
+            for i, slot in zip(src_pos, targets):
+                out[i] = slot
+            flags = [False, False]  # cancelled, landed
+            started.append((targets, ticket, flags))
+            self._submit(ticket, self._landed(srcs, targets, ticket, flags))
+        tickets = list({landing[s] for s in pinned if s in landing}) if landing else []
+        tickets += [ticket for _, ticket, _ in started]
+        return LoadHandle(tickets, self.fmt.num_layers, out)
+
+    def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
+        """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
+        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed]."""
+        dev, host, landing = self._dev, self._host, self._dev_landing
+
+        def finish() -> None:
+            flags[1] = True
+            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1)
+            host.unhold_all(srcs)
+            for slot in targets:
+                if landing.get(slot) is ticket:
+                    del landing[slot]
+            self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
+
+        return finish
+
+    def _cancel_load_now(self, pinned: list[int], started: list) -> None:
+        """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
+        copying unkeyed and unheld (freed when they land)."""
+        dev, landing = self._dev, self._dev_landing
+        for slot in pinned:
+            dev.unpin(slot)
+        for targets, ticket, flags in started:
+            flags[0] = True
+            dev.unpin_all(targets)
+            if flags[1]:  # landed already (a synchronous engine): those pages go now
+                dev.set_states(targets, S.FREE)
+                continue
+            for slot in targets:  # still landing: unkeyed now, freed when the copy lands
+                dev.table.unbind(slot)
+                if landing.get(slot) is ticket:
+                    del landing[slot]
 
     def _secure_sources(self, ids: list[bytes]) -> tuple[dict[int, int], dict[int, int]]:
         """Hold a readable copy of every key, busy, so nothing evicts it: device pages where they

@@ -1,0 +1,169 @@
+"""Loads submitted in chunks: a large load's first copy starts after one small chunk of
+bookkeeping. The pages, the per-layer waits, a key missing in a later chunk and a chunk that
+needs room only copies can make, on real engines (the torch twin, and the deferred engine whose
+copies land when the test says)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier import TieredPool, prefix_keys
+from kvtier.pool import pool as pool_module
+from kvtier.transfer import TorchEngine
+from tests.conftest import fill_random, small_format, snapshot
+from tests.deferred_engine import DeferredEngine
+
+LIVENESS_S = 30
+
+
+class CountingEngine(TorchEngine):
+    """The torch twin, remembering how many pages each reload it was given moved."""
+
+    def __init__(self, device_tier, host_tier) -> None:
+        super().__init__(device_tier, host_tier)
+        self.reloads: list[int] = []
+
+    def reload(self, host_slots, device_slots, ready=None):
+        self.reloads.append(len(device_slots))
+        return super().reload(host_slots, device_slots, ready)
+
+
+def _pool(registry, engine, device_pages=200, host_pages=300, policy="write_through"):
+    return TieredPool(small_format(page_size=1), device_pages=device_pages, host_pages=host_pages,
+                      write_policy=policy, engine=engine, registry=registry, background_copies=False)
+
+
+def _write(pool, keys, gen, flush=True):
+    expected = {}
+    for lo in range(0, len(keys), 50):
+        part = keys[lo : lo + 50]
+        slots = pool.allocate(len(part))
+        fill_random(pool, slots, gen)
+        expected.update({k: snapshot(pool, s) for k, s in zip(part, slots)})
+        pool.commit(part, slots)
+        pool.release(slots)
+    if flush:
+        pool.flush()
+    return expected
+
+
+def _check_indexes(pool):
+    pool._dev.check()
+    pool._host.check()
+
+
+def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, gen):
+    pool = _pool(registry, CountingEngine)
+    keys = prefix_keys(np.arange(170), 1, pool.namespace)
+    expected = _write(pool, keys, gen)
+    pool.evict(keys=keys[10:])  # 10 stay on the device, 160 come from the host
+    pool.engine.reloads.clear()
+    handle = pool.load(keys)
+    first, growth = pool_module._FIRST_CHUNK, pool_module._CHUNK_GROWTH
+    # Chunks cut the keys (device pages included) at 32, then 128 more: the device pages are
+    # in the first chunk, so it reloads 22 pages, the second 128, the last 10.
+    assert pool.engine.reloads == [first - 10, first * growth, 170 - first - first * growth]
+    for layer in range(pool.fmt.num_layers):
+        handle.wait_layer(layer)
+    handle.synchronize()
+    assert handle.done() and len(set(handle.slots)) == 170
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
+    pool.release(handle.slots)
+    assert pool.match(keys).device == 170
+    _check_indexes(pool)
+    pool.close()
+
+
+@pytest.mark.parametrize("engine", [TorchEngine, DeferredEngine])
+def test_a_key_missing_in_a_later_chunk_leaves_the_device_as_it_was(registry, gen, engine):
+    """Chunks before the missing key were already copying: their pages lose their keys at once
+    and their slots are freed when the copies land (at once on the torch twin)."""
+    pool = _pool(registry, engine)
+    keys = prefix_keys(np.arange(120), 1, pool.namespace)
+    if engine is DeferredEngine:
+        # Write-through copies are deferred too: land them as they come until the writes are done.
+        stop, lander = _landing(pool.engine)
+        try:
+            _write(pool, keys[:100], gen)
+        finally:
+            stop.set()
+            lander.join(LIVENESS_S)
+    else:
+        _write(pool, keys[:100], gen)
+    pool.evict(tier="device")
+    before = pool.stats()["states"]["device"]
+    asked = keys[:90] + [keys[110]] + keys[90:100]  # the missing key sits in the second chunk
+    with pytest.raises(KeyError, match="1 of 101 keys"):
+        pool.load(asked)
+    if engine is DeferredEngine:
+        assert pool.engine.pending() == 1  # the first chunk's copy was submitted before the miss
+        assert pool.match(keys[:100]).device == 0, "a cancelled chunk's pages must not be found"
+        pool.engine.land()
+        pool.match(keys[:1])  # a call that reaps the landed copy
+    assert pool.stats()["states"]["device"] == before
+    assert pool.match(keys[:100]).device == 0
+    _check_indexes(pool)
+    pool.close()
+
+
+def _landing(engine):
+    """A thread landing the engine's copies as they come, until the returned event is set."""
+    stop = threading.Event()
+
+    def run():
+        while not stop.is_set():
+            engine.land()
+            stop.wait(0.001)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return stop, thread
+
+
+def test_a_chunk_that_needs_pages_copied_down_first_waits_in_the_general_path(registry, gen):
+    """Write-back: the first chunk fits in free slots and starts copying; the second needs room
+    that only copies down of dirty pages can make, held in flight, so the load cancels its first
+    chunk, takes the general path, waits for the copies, and every page arrives intact."""
+    pool = _pool(registry, DeferredEngine, device_pages=90, host_pages=300, policy="write_back")
+    engine = pool.engine
+    keys = prefix_keys(np.arange(100), 1, pool.namespace)
+    stop, lander = _landing(engine)
+    try:
+        expected = _write(pool, keys[:50], gen, flush=False)
+        pool.evict(keys=keys[:50])  # copied down (write-back) and freed
+        expected.update(_write(pool, keys[50:], gen, flush=False))
+    finally:
+        stop.set()
+        lander.join(LIVENESS_S)
+    m = pool.match(keys)
+    assert (m.device, m.host) == (50, 50)  # the first 50 are on the host only, the last 50 on the device
+    assert pool.stats()["states"]["device"]["dirty"] == 50
+    engine.land()
+    while engine.submitted.acquire(timeout=0):
+        pass
+    got = []
+    loader = threading.Thread(target=lambda: got.append(pool.load(keys[:50])))
+    loader.start()
+    # The first chunk's reload, then the copy down that makes room for the second chunk.
+    assert engine.submitted.acquire(timeout=LIVENESS_S) and engine.submitted.acquire(timeout=LIVENESS_S)
+    assert engine.pending() >= 2 and loader.is_alive()  # (the general path may have queued more copies down)
+    stop, lander = _landing(engine)
+    try:
+        loader.join(LIVENESS_S)
+    finally:
+        stop.set()
+        lander.join(LIVENESS_S)
+    assert not loader.is_alive()
+    handle = got[0]
+    engine.land()
+    handle.synchronize()
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys[:50], handle.slots))
+    pool.release(handle.slots)
+    engine.land()
+    pool.match(keys[:1])  # reaps what landed
+    assert pool.stats()["states"]["device"]["loading"] == 0
+    _check_indexes(pool)
+    pool.close()
