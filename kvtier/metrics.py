@@ -6,6 +6,15 @@ objects on the hot path); one `PoolsCollector` per registry turns every live poo
 into `kvtier_*` metric families when Prometheus scrapes, labelled by pool, model and rank, so
 two pools in one process (a target and a draft model, two ranks) share one registry. It must
 never take a pool's lock for longer than one `stats()` call.
+
+What a pool exports (`_FAMILIES`): hits and evictions per tier, misses, pages and bytes moved per
+direction, dirty pages dropped per reason, slots per tier and page state, held slots, copies in
+flight, and the `kvtier_call_seconds` histograms of load, commit and match. Series only a remote
+tier can move are exported only for a pool with one (`remote=`): `tier="remote"` hits, the
+directions to and from it, `reason="remote_unavailable"`, `kvtier_remote_failures`, the backup
+queue, the circuit breaker, the `remote_get`/`remote_put` histograms and the store's own
+`kvtier_remote_store_*` counters (the latter while the store answers). Evictions from the remote
+tier are the store's (`kvtier_remote_store_evictions`). A family no pool has a series of is left out.
 """
 
 from __future__ import annotations
@@ -154,31 +163,35 @@ def _read_histograms(s, hist, store, keys) -> list:
     return out
 
 
+def _remote_only(s: dict, remote: bool) -> tuple[tuple[str, ...], ...]:
+    return _ONE if remote else ()
+
+
 def _store_family(name: str, typ: str) -> _Family:
-    return _Family(f"kvtier_remote_store_{name}", typ, f"Remote page store {typ} {name}", (), lambda s, remote: _ONE,
+    return _Family(f"kvtier_remote_store_{name}", typ, f"Remote page store {typ} {name}", (), _remote_only,
                    lambda s, hist, store, keys: [store.get(name, 0)], store=True)
 
 
 _FAMILIES: tuple[_Family, ...] = (
     _Family("kvtier_hits", "counter", "Pages of matched prefixes, by the nearest tier holding them (MatchResult)",
-            ("tier",), lambda s, remote: tuple((t,) for t in TIERS),
+            ("tier",), lambda s, remote: tuple((t,) for t in TIERS if remote or t != "remote"),
             lambda s, hist, store, keys: [s["hits"].get(k, 0) for (k,) in keys]),
     _Family("kvtier_misses", "counter", "Pages asked for past the loadable prefix", (), lambda s, remote: _ONE,
             lambda s, hist, store, keys: [s["misses"]]),
     _Family("kvtier_evictions", "counter", "Pages evicted from a tier", ("tier",),
-            lambda s, remote: tuple((t,) for t in TIERS),
+            lambda s, remote: (("device",), ("host",)),
             lambda s, hist, store, keys: [s["evictions"].get(k, 0) for (k,) in keys]),
     _Family("kvtier_pages_moved", "counter", "Pages copied between tiers", ("direction",),
-            lambda s, remote: tuple((d,) for d in DIRECTIONS),
+            lambda s, remote: tuple((d,) for d in DIRECTIONS if remote or "remote" not in d),
             lambda s, hist, store, keys: [s["pages_moved"].get(k, 0) for (k,) in keys]),
     _Family("kvtier_bytes_moved", "counter", "Bytes copied between tiers", ("direction",),
-            lambda s, remote: tuple((d,) for d in DIRECTIONS),
+            lambda s, remote: tuple((d,) for d in DIRECTIONS if remote or "remote" not in d),
             lambda s, hist, store, keys: [s["bytes_moved"].get(k, 0) for (k,) in keys]),
     _Family("kvtier_dropped_pages", "counter", "Dirty pages let go before they were durable, by reason", ("reason",),
-            lambda s, remote: tuple((r,) for r in DROP_REASONS),
+            lambda s, remote: tuple((r,) for r in DROP_REASONS if remote or r != "remote_unavailable"),
             lambda s, hist, store, keys: [s["dropped"].get(k, 0) for (k,) in keys]),
     _Family("kvtier_remote_failures", "counter", "Remote tier pages a remote job could not move", ("op",),
-            lambda s, remote: (("read",), ("write",)),
+            lambda s, remote: (("read",), ("write",)) if remote else (),
             lambda s, hist, store, keys: [s["remote_failures"].get(k, 0) for (k,) in keys]),
     _Family("kvtier_pages", "gauge", "Slots per tier and page state", ("tier", "state"),
             lambda s, remote: tuple((t, state) for t in ("device", "host") for state in s["states"][t]),
@@ -188,14 +201,14 @@ _FAMILIES: tuple[_Family, ...] = (
     _Family("kvtier_inflight_copies", "gauge", "Copies and remote jobs in flight", (), lambda s, remote: _ONE,
             lambda s, hist, store, keys: [s["inflight"]]),
     _Family("kvtier_backup_queue_pages", "gauge", "Host pages waiting to be written to the remote tier", (),
-            lambda s, remote: _ONE, lambda s, hist, store, keys: [s["backup_queue"] for _ in keys]),
+            _remote_only, lambda s, hist, store, keys: [s["backup_queue"] for _ in keys]),
     _Family("kvtier_remote_breaker_state", "gauge",
-            "Remote write circuit breaker: 0 closed (healthy), 1 open, 2 half open", (), lambda s, remote: _ONE,
+            "Remote write circuit breaker: 0 closed (healthy), 1 open, 2 half open", (), _remote_only,
             lambda s, hist, store, keys: [_STATE_CODE[s["remote_breaker"]] for _ in keys]),
-    _Family("kvtier_remote_breaker_opens", "counter", "Times remote writes started failing", (), lambda s, remote: _ONE,
+    _Family("kvtier_remote_breaker_opens", "counter", "Times remote writes started failing", (), _remote_only,
             lambda s, hist, store, keys: [s["remote_breaker_opened"] for _ in keys]),
     _Family("kvtier_call_seconds", "histogram", "Time of pool calls, and of remote jobs from submission to done",
-            ("op",), lambda s, remote: tuple((op,) for op in CALLS + REMOTE_OPS), _read_histograms),
+            ("op",), lambda s, remote: tuple((op,) for op in CALLS + (REMOTE_OPS if remote else ())), _read_histograms),
     *(_store_family(name, "counter") for name in STORE_COUNTERS),
     *(_store_family(name, "gauge") for name in STORE_GAUGES),
 )
@@ -251,7 +264,7 @@ def _metrics(snapshots) -> Iterator[Metric]:
             keys = layout.keys[i]
             if keys and (store or not fam.store):
                 samples += map(Sample, layout.names[i], layout.labels[i], fam.read(s, hist, store, keys))
-        if samples or not fam.store:
+        if samples:
             metric = Metric(fam.name, fam.doc, fam.type)
             metric.samples = samples
             yield metric
