@@ -5,7 +5,11 @@ ints and fixed-bucket histograms (a few hundred nanoseconds a call, never promet
 objects on the hot path); one `PoolsCollector` per registry turns every live pool's `stats()`
 into `kvtier_*` metric families when Prometheus scrapes, labelled by pool, model and rank, so
 two pools in one process (a target and a draft model, two ranks) share one registry. It must
-never take a pool's lock for longer than one `stats()` call.
+never take a pool's lock for longer than one `stats()` call. A pool's series (sample names,
+label dicts, text lines up to the value) are built once and reused by every scrape.
+prometheus-client formats each sample in Python, several µs a sample, so `exposition` renders the
+same text (byte for byte) from the same snapshots, for engines that serve kvtier's metrics on an
+endpoint of their own.
 
 What a pool exports (`_FAMILIES`): hits and evictions per tier, misses, pages and bytes moved per
 direction, dirty pages dropped per reason, slots per tier and page state, held slots, copies in
@@ -24,12 +28,13 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 TIERS = ("device", "host", "remote")
 DIRECTIONS = ("device_to_host", "host_to_device", "device_to_device", "host_to_remote", "remote_to_host")
@@ -216,9 +221,10 @@ _FAMILIES: tuple[_Family, ...] = (
 
 class _Layout:
     """A pool's series, built once: per family, the sample names and label dicts handed to
-    prometheus-client, and their keys. A pool's labels never change, so neither does this."""
+    prometheus-client, the same samples' text lines up to their value (`exposition`), and their
+    keys. A pool's labels never change, so neither does this."""
 
-    __slots__ = ("keys", "labels", "names")
+    __slots__ = ("keys", "labels", "lines", "names")
 
     def __init__(self, s: dict, remote: bool) -> None:
         base = {"pool": s["pool"], "model": s["model"], "rank": str(s["rank"])}
@@ -237,6 +243,8 @@ class _Layout:
             self.keys.append(keys)
             self.names.append(names)
             self.labels.append(labels)
+        self.lines = [[_line_head(name, series) for name, series in zip(names, labels)]
+                      for names, labels in zip(self.names, self.labels)]
 
 
 _layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Layout
@@ -255,6 +263,57 @@ def _snapshots(pools) -> list[tuple[_Layout, dict, dict, dict]]:
             layout = _layouts[pool] = _Layout(s, getattr(pool, "remote", None) is not None)
         out.append((layout, s, hist, store))
     return out
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _line_head(name: str, labels: dict[str, str]) -> str:
+    """A sample's line in the text format up to its value, as prometheus-client writes it."""
+    return name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "} "
+
+
+def _header(fam: _Family) -> str:
+    name = fam.name + "_total" if fam.type == "counter" else fam.name
+    doc = fam.doc.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n"
+
+
+_HEADERS = tuple(_header(fam) for fam in _FAMILIES)
+
+
+def _value(v: float) -> str:
+    """prometheus-client's float formatting (Go's), with whole numbers below a million short-cut."""
+    if type(v) is int and -1_000_000 < v < 1_000_000:
+        return f"{v}.0"
+    return floatToGoString(v)
+
+
+def exposition(source: CollectorRegistry | Iterable[object]) -> bytes:
+    """kvtier's metrics in the Prometheus text format, rendered here instead of by prometheus-client:
+    the families, HELP and TYPE lines, samples and values `generate_latest` writes for them, in the
+    same order, at a fraction of its cost a sample. `source` is a registry (the pools registered
+    with it, and nothing else of it) or the pools themselves (any registry, or none). For an engine
+    that serves kvtier's metrics on an endpoint of its own; not with `generate_latest` of the same
+    registry on the same endpoint, which would export every series twice."""
+    if isinstance(source, CollectorRegistry):
+        collector = _collectors.get(source)
+        pools = list(collector.pools.values()) if collector is not None else []
+    else:
+        pools = list(source)
+    out = []
+    snapshots = _snapshots(pools)
+    for i, fam in enumerate(_FAMILIES):
+        lines = []
+        for layout, s, hist, store in snapshots:
+            keys = layout.keys[i]
+            if keys and (store or not fam.store):
+                lines += [f"{head}{_value(v)}\n" for head, v in zip(layout.lines[i], fam.read(s, hist, store, keys))]
+        if lines:
+            out.append(_HEADERS[i])
+            out += lines
+    return "".join(out).encode()
 
 
 def _metrics(snapshots) -> Iterator[Metric]:

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier import PageState, TieredPool, prefix_keys
+from kvtier import PageState, TieredPool, metrics, prefix_keys
 from tests.conftest import fill_random, small_format
 
 
@@ -130,3 +130,69 @@ def test_a_pool_with_a_remote_tier_exports_its_remote_series(registry, gen, tmp_
     assert not any(("pool", "local") in labels for name, labels in m if name.startswith("kvtier_remote_"))
     pool.close()
     local.close()
+
+
+def _traffic(pool, gen, pages: int) -> None:
+    """Commit `pages` pages through a device tier of half as many: evictions, copies down, hits."""
+    keys = prefix_keys(np.arange(pages * pool.fmt.page_size), pool.fmt.page_size, pool.namespace)
+    for chunk in (keys[: pages // 2], keys[pages // 2 :]):
+        slots = pool.allocate(len(chunk))
+        fill_random(pool, slots, gen)
+        pool.commit(chunk, slots)
+        pool.release(slots)
+    pool.match(keys)
+    pool.release(pool.load(keys[:2]).slots)
+    pool.flush()
+
+
+def _parsed(text: bytes) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            out[(family.name, family.type, family.documentation, sample.name,
+                 tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_exposition_writes_what_generate_latest_writes(registry, gen, tmp_path):
+    """Same families, HELP/TYPE lines, samples and values, byte for byte: label values that need
+    escaping, values of a million and more (Go's exponent form), local and remote pools side by side."""
+    fmt = small_format(head_dim=256, page_size=32)
+    pools = [TieredPool(fmt, device_pages=8, host_pages=32, write_policy="write_back", registry=registry,
+                        name='odd "name" \\ with\nnewline ü', model="draft", rank=1)]
+    try:
+        import nixl_cu13  # noqa: F401
+        pools.append(TieredPool(fmt, device_pages=8, host_pages=32, write_policy="write_through", registry=registry,
+                                name="remote", remote=str(tmp_path)))
+    except ImportError:
+        pass
+    for pool in pools:
+        _traffic(pool, gen, 16)
+    assert pools[0].stats()["bytes_moved"]["device_to_host"] >= 1_000_000
+    # Nothing runs between the two scrapes, so both see the same counters and histograms.
+    text, fast = generate_latest(registry), metrics.exposition(registry)
+    assert fast == text
+    parsed = _parsed(fast)
+    assert parsed == _parsed(text) and len(parsed) == (70 if len(pools) == 1 else 70 + 124)
+    assert _get({k[3:]: v for k, v in parsed.items()}, "kvtier_bytes_moved_total", pool=pools[0].name, model="draft",
+                rank="1", direction="device_to_host") == pools[0].stats()["bytes_moved"]["device_to_host"]
+    # The pools themselves, registered anywhere: the same text.
+    assert metrics.exposition(pools) == fast
+    for pool in pools:
+        pool.close()
+    assert metrics.exposition(registry) == generate_latest(registry) == b""
+
+
+def test_exposition_of_pools_without_a_registry(gen):
+    pool = TieredPool(small_format(), device_pages=4, host_pages=8, registry=None, name="alone")
+    _traffic(pool, gen, 8)
+    other = CollectorRegistry()
+    twin = TieredPool(small_format(), device_pages=4, host_pages=8, registry=other, name="alone")
+    samples = _parsed(metrics.exposition([pool]))
+    assert samples.keys() == _parsed(generate_latest(other)).keys()
+    s = pool.stats()
+    key = ("kvtier_hits", "counter", "Pages of matched prefixes, by the nearest tier holding them (MatchResult)",
+           "kvtier_hits_total", (("model", "default"), ("pool", "alone"), ("rank", "0"), ("tier", "device")))
+    assert samples[key] == s["hits"]["device"] > 0
+    pool.close()
+    twin.close()
