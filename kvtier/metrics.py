@@ -5,7 +5,20 @@ ints and fixed-bucket histograms (a few hundred nanoseconds a call, never promet
 objects on the hot path); one `PoolsCollector` per registry turns every live pool's `stats()`
 into `kvtier_*` metric families when Prometheus scrapes, labelled by pool, model and rank, so
 two pools in one process (a target and a draft model, two ranks) share one registry. It must
-never take a pool's lock for longer than one `stats()` call.
+never take a pool's lock for longer than one `stats()` call. A pool's series (sample names,
+label dicts, text lines up to the value) are built once and reused by every scrape.
+prometheus-client formats each sample in Python, several µs a sample, so `exposition` renders the
+same text (byte for byte) from the same snapshots, for engines that serve kvtier's metrics on an
+endpoint of their own.
+
+What a pool exports (`_FAMILIES`): hits and evictions per tier, misses, pages and bytes moved per
+direction, dirty pages dropped per reason, slots per tier and page state, held slots, copies in
+flight, and the `kvtier_call_seconds` histograms of load, commit and match. Series only a remote
+tier can move are exported only for a pool with one (`remote=`): `tier="remote"` hits, the
+directions to and from it, `reason="remote_unavailable"`, `kvtier_remote_failures`, the backup
+queue, the circuit breaker, the `remote_get`/`remote_put` histograms and the store's own
+`kvtier_remote_store_*` counters (the latter while the store answers). Evictions from the remote
+tier are the store's (`kvtier_remote_store_evictions`). A family no pool has a series of is left out.
 """
 
 from __future__ import annotations
@@ -15,10 +28,13 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 TIERS = ("device", "host", "remote")
 DIRECTIONS = ("device_to_host", "host_to_device", "device_to_device", "host_to_remote", "remote_to_host")
@@ -119,82 +135,195 @@ class PoolsCollector(Collector):
         self.pools: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def collect(self) -> Iterator[Metric]:
-        snapshots = []
-        for pool in list(self.pools.values()):
-            try:
-                snapshots.append((pool.stats(), pool.latency_snapshot(), pool.remote_stats()))
-            except RuntimeError:  # closed between the listing and the call
-                continue
-        yield from _families(snapshots)
+        yield from _metrics(_snapshots(list(self.pools.values())))
 
 
-def _families(snapshots):
-    base = ["pool", "model", "rank"]
+class _Family(NamedTuple):
+    """One exported metric family: its series per pool (`keys`: the values of `labels` besides
+    pool, model and rank, one tuple a series) and how a snapshot gives their values (`read`: one
+    value a key, fourteen a key for a histogram)."""
 
-    def labels(s):
-        return [s["pool"], s["model"], str(s["rank"])]
+    name: str  # a counter's samples are named `name`_total, a histogram's `name`_bucket/_count/_sum
+    type: str
+    doc: str
+    labels: tuple[str, ...]
+    keys: Callable[[dict, bool], tuple[tuple[str, ...], ...]]
+    read: Callable[[dict, dict, dict, tuple], list]
+    store: bool = False  # the remote store's own counters: exported while the store answers
 
-    def counter(name, doc, extra=()):
-        return CounterMetricFamily(name, doc, labels=base + list(extra))
 
-    def gauge(name, doc, extra=()):
-        return GaugeMetricFamily(name, doc, labels=base + list(extra))
+_ONE = ((),)  # a family with one series a pool and no labels of its own
+_STATE_CODE = {"closed": 0, "open": 1, "half_open": 2}
+_LE = tuple(repr(bound) for bound in LATENCY_BUCKETS) + ("+Inf",)
 
-    hits = counter("kvtier_hits", "Pages of matched prefixes, by the nearest tier holding them (MatchResult)", ["tier"])
-    misses = counter("kvtier_misses", "Pages asked for past the loadable prefix")
-    evictions = counter("kvtier_evictions", "Pages evicted from a tier", ["tier"])
-    pages = counter("kvtier_pages_moved", "Pages copied between tiers", ["direction"])
-    nbytes = counter("kvtier_bytes_moved", "Bytes copied between tiers", ["direction"])
-    dropped = counter("kvtier_dropped_pages", "Dirty pages let go before they were durable, by reason", ["reason"])
-    failures = counter("kvtier_remote_failures", "Remote tier pages a remote job could not move", ["op"])
-    states = gauge("kvtier_pages", "Slots per tier and page state", ["tier", "state"])
-    held = gauge("kvtier_held_pages", "Device slots the engine holds")
-    inflight = gauge("kvtier_inflight_copies", "Copies and remote jobs in flight")
-    queue = gauge("kvtier_backup_queue_pages", "Host pages waiting to be written to the remote tier")
-    breaker = gauge("kvtier_remote_breaker_state", "Remote write circuit breaker: 0 closed (healthy), 1 open, 2 half open")
-    opened = counter("kvtier_remote_breaker_opens", "Times remote writes started failing")
-    latency = HistogramMetricFamily(
-        "kvtier_call_seconds", "Time of pool calls, and of remote jobs from submission to done", labels=base + ["op"]
-    )
-    store_counters = {
-        name: counter(f"kvtier_remote_store_{name}", f"Remote page store counter {name}") for name in STORE_COUNTERS
-    }
-    store_gauges = {name: gauge(f"kvtier_remote_store_{name}", f"Remote page store gauge {name}") for name in STORE_GAUGES}
-    states_code = {"closed": 0, "open": 1, "half_open": 2}
-    for s, hist, store in snapshots:
-        lab = labels(s)
-        for tier in TIERS:
-            hits.add_metric(lab + [tier], s["hits"].get(tier, 0))
-            evictions.add_metric(lab + [tier], s["evictions"].get(tier, 0))
-        misses.add_metric(lab, s["misses"])
-        for d in DIRECTIONS:
-            pages.add_metric(lab + [d], s["pages_moved"].get(d, 0))
-            nbytes.add_metric(lab + [d], s["bytes_moved"].get(d, 0))
-        for reason in DROP_REASONS:
-            dropped.add_metric(lab + [reason], s["dropped"].get(reason, 0))
-        for op in ("read", "write"):
-            failures.add_metric(lab + [op], s["remote_failures"].get(op, 0))
-        for tier in ("device", "host"):
-            for state, count in s["states"][tier].items():
-                states.add_metric(lab + [tier, state], count)
-        held.add_metric(lab, s["held"]["device"])
-        inflight.add_metric(lab, s["inflight"])
-        queue.add_metric(lab, s["backup_queue"])
-        breaker.add_metric(lab, states_code[s["remote_breaker"]])
-        opened.add_metric(lab, s["remote_breaker_opened"])
-        for op, (counts, total) in hist.items():
-            cumulative, buckets = 0, []
-            for bound, count in zip(LATENCY_BUCKETS + (float("inf"),), counts):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            latency.add_metric(lab + [op], buckets, total)
-        if store:
-            for name, fam in store_counters.items():
-                fam.add_metric(lab, store.get(name, 0))
-            for name, fam in store_gauges.items():
-                fam.add_metric(lab, store.get(name, 0))
-    yield from (hits, misses, evictions, pages, nbytes, dropped, failures, states, held, inflight, queue, breaker, opened,
-                latency)
-    if any(store for _, _, store in snapshots):
-        yield from store_counters.values()
-        yield from store_gauges.values()
+
+def _read_histograms(s, hist, store, keys) -> list:
+    out = []
+    for (op,) in keys:
+        counts, total = hist[op]
+        cumulative = list(itertools.accumulate(counts))
+        out += cumulative
+        out.append(cumulative[-1])
+        out.append(total)
+    return out
+
+
+def _remote_only(s: dict, remote: bool) -> tuple[tuple[str, ...], ...]:
+    return _ONE if remote else ()
+
+
+def _store_family(name: str, typ: str) -> _Family:
+    return _Family(f"kvtier_remote_store_{name}", typ, f"Remote page store {typ} {name}", (), _remote_only,
+                   lambda s, hist, store, keys: [store.get(name, 0)], store=True)
+
+
+_FAMILIES: tuple[_Family, ...] = (
+    _Family("kvtier_hits", "counter", "Pages of matched prefixes, by the nearest tier holding them (MatchResult)",
+            ("tier",), lambda s, remote: tuple((t,) for t in TIERS if remote or t != "remote"),
+            lambda s, hist, store, keys: [s["hits"].get(k, 0) for (k,) in keys]),
+    _Family("kvtier_misses", "counter", "Pages asked for past the loadable prefix", (), lambda s, remote: _ONE,
+            lambda s, hist, store, keys: [s["misses"]]),
+    _Family("kvtier_evictions", "counter", "Pages evicted from a tier", ("tier",),
+            lambda s, remote: (("device",), ("host",)),
+            lambda s, hist, store, keys: [s["evictions"].get(k, 0) for (k,) in keys]),
+    _Family("kvtier_pages_moved", "counter", "Pages copied between tiers", ("direction",),
+            lambda s, remote: tuple((d,) for d in DIRECTIONS if remote or "remote" not in d),
+            lambda s, hist, store, keys: [s["pages_moved"].get(k, 0) for (k,) in keys]),
+    _Family("kvtier_bytes_moved", "counter", "Bytes copied between tiers", ("direction",),
+            lambda s, remote: tuple((d,) for d in DIRECTIONS if remote or "remote" not in d),
+            lambda s, hist, store, keys: [s["bytes_moved"].get(k, 0) for (k,) in keys]),
+    _Family("kvtier_dropped_pages", "counter", "Dirty pages let go before they were durable, by reason", ("reason",),
+            lambda s, remote: tuple((r,) for r in DROP_REASONS if remote or r != "remote_unavailable"),
+            lambda s, hist, store, keys: [s["dropped"].get(k, 0) for (k,) in keys]),
+    _Family("kvtier_remote_failures", "counter", "Remote tier pages a remote job could not move", ("op",),
+            lambda s, remote: (("read",), ("write",)) if remote else (),
+            lambda s, hist, store, keys: [s["remote_failures"].get(k, 0) for (k,) in keys]),
+    _Family("kvtier_pages", "gauge", "Slots per tier and page state", ("tier", "state"),
+            lambda s, remote: tuple((t, state) for t in ("device", "host") for state in s["states"][t]),
+            lambda s, hist, store, keys: [s["states"][t][state] for t, state in keys]),
+    _Family("kvtier_held_pages", "gauge", "Device slots the engine holds", (), lambda s, remote: _ONE,
+            lambda s, hist, store, keys: [s["held"]["device"]]),
+    _Family("kvtier_inflight_copies", "gauge", "Copies and remote jobs in flight", (), lambda s, remote: _ONE,
+            lambda s, hist, store, keys: [s["inflight"]]),
+    _Family("kvtier_backup_queue_pages", "gauge", "Host pages waiting to be written to the remote tier", (),
+            _remote_only, lambda s, hist, store, keys: [s["backup_queue"] for _ in keys]),
+    _Family("kvtier_remote_breaker_state", "gauge",
+            "Remote write circuit breaker: 0 closed (healthy), 1 open, 2 half open", (), _remote_only,
+            lambda s, hist, store, keys: [_STATE_CODE[s["remote_breaker"]] for _ in keys]),
+    _Family("kvtier_remote_breaker_opens", "counter", "Times remote writes started failing", (), _remote_only,
+            lambda s, hist, store, keys: [s["remote_breaker_opened"] for _ in keys]),
+    _Family("kvtier_call_seconds", "histogram", "Time of pool calls, and of remote jobs from submission to done",
+            ("op",), lambda s, remote: tuple((op,) for op in CALLS + (REMOTE_OPS if remote else ())), _read_histograms),
+    *(_store_family(name, "counter") for name in STORE_COUNTERS),
+    *(_store_family(name, "gauge") for name in STORE_GAUGES),
+)
+
+
+class _Layout:
+    """A pool's series, built once: per family, the sample names and label dicts handed to
+    prometheus-client, the same samples' text lines up to their value (`exposition`), and their
+    keys. A pool's labels never change, so neither does this."""
+
+    __slots__ = ("keys", "labels", "lines", "names")
+
+    def __init__(self, s: dict, remote: bool) -> None:
+        base = {"pool": s["pool"], "model": s["model"], "rank": str(s["rank"])}
+        self.keys, self.names, self.labels = [], [], []
+        for fam in _FAMILIES:
+            keys = fam.keys(s, remote)
+            names, labels = [], []
+            for key in keys:
+                series = {**base, **dict(zip(fam.labels, key))}
+                if fam.type == "histogram":
+                    names += [f"{fam.name}_bucket"] * len(_LE) + [f"{fam.name}_count", f"{fam.name}_sum"]
+                    labels += [{**series, "le": le} for le in _LE] + [series, series]
+                else:
+                    names.append(fam.name + "_total" if fam.type == "counter" else fam.name)
+                    labels.append(series)
+            self.keys.append(keys)
+            self.names.append(names)
+            self.labels.append(labels)
+        self.lines = [[_line_head(name, series) for name, series in zip(names, labels)]
+                      for names, labels in zip(self.names, self.labels)]
+
+
+_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Layout
+
+
+def _snapshots(pools) -> list[tuple[_Layout, dict, dict, dict]]:
+    """Each open pool's layout, `stats()`, latency histograms and remote store counters."""
+    out = []
+    for pool in pools:
+        try:
+            s, hist, store = pool.stats(), pool.latency_snapshot(), pool.remote_stats()
+        except RuntimeError:  # closed between the listing and the call
+            continue
+        layout = _layouts.get(pool)
+        if layout is None:
+            layout = _layouts[pool] = _Layout(s, getattr(pool, "remote", None) is not None)
+        out.append((layout, s, hist, store))
+    return out
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _line_head(name: str, labels: dict[str, str]) -> str:
+    """A sample's line in the text format up to its value, as prometheus-client writes it."""
+    return name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "} "
+
+
+def _header(fam: _Family) -> str:
+    name = fam.name + "_total" if fam.type == "counter" else fam.name
+    doc = fam.doc.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n"
+
+
+_HEADERS = tuple(_header(fam) for fam in _FAMILIES)
+
+
+def _value(v: float) -> str:
+    """prometheus-client's float formatting (Go's), with whole numbers below a million short-cut."""
+    if type(v) is int and -1_000_000 < v < 1_000_000:
+        return f"{v}.0"
+    return floatToGoString(v)
+
+
+def exposition(source: CollectorRegistry | Iterable[object]) -> bytes:
+    """kvtier's metrics in the Prometheus text format, rendered here instead of by prometheus-client:
+    the families, HELP and TYPE lines, samples and values `generate_latest` writes for them, in the
+    same order, at a fraction of its cost a sample. `source` is a registry (the pools registered
+    with it, and nothing else of it) or the pools themselves (any registry, or none). For an engine
+    that serves kvtier's metrics on an endpoint of its own; not with `generate_latest` of the same
+    registry on the same endpoint, which would export every series twice."""
+    if isinstance(source, CollectorRegistry):
+        collector = _collectors.get(source)
+        pools = list(collector.pools.values()) if collector is not None else []
+    else:
+        pools = list(source)
+    out = []
+    snapshots = _snapshots(pools)
+    for i, fam in enumerate(_FAMILIES):
+        lines = []
+        for layout, s, hist, store in snapshots:
+            keys = layout.keys[i]
+            if keys and (store or not fam.store):
+                lines += [f"{head}{_value(v)}\n" for head, v in zip(layout.lines[i], fam.read(s, hist, store, keys))]
+        if lines:
+            out.append(_HEADERS[i])
+            out += lines
+    return "".join(out).encode()
+
+
+def _metrics(snapshots) -> Iterator[Metric]:
+    for i, fam in enumerate(_FAMILIES):
+        samples = []
+        for layout, s, hist, store in snapshots:
+            keys = layout.keys[i]
+            if keys and (store or not fam.store):
+                samples += map(Sample, layout.names[i], layout.labels[i], fam.read(s, hist, store, keys))
+        if samples:
+            metric = Metric(fam.name, fam.doc, fam.type)
+            metric.samples = samples
+            yield metric
