@@ -284,6 +284,28 @@ def test_namespaces_never_share_keys():
     assert len(prefix_keys(tokens[:13], 8, Namespace("m", fmt.fingerprint, 0))) == 1
 
 
+def test_prefix_keys_are_the_documented_chain_and_older_schemes_miss():
+    """Scheme 3: key_i = BLAKE2s-256(key_{i-1} || page i's token ids as little-endian uint32),
+    key_{-1} the namespace digest, which names the scheme; scheme 2's SHA-256 chain over a
+    scheme-2 namespace never equals it."""
+    import hashlib
+    import struct
+
+    ns = Namespace("m", small_format().fingerprint, 0)
+    tokens = [7, 2**32 - 1, 0, 123456, 42, 99]
+    prev = bytes.fromhex(ns.digest)
+    want = []
+    for lo in range(0, 6, 2):
+        prev = hashlib.blake2s(prev + struct.pack("<2I", *tokens[lo : lo + 2])).digest()
+        want.append(prev)
+    assert prefix_keys(tokens, 2, ns) == want
+    assert ns.digest == hashlib.sha256(
+        f"kvtier-ns|keys=3|model=m|format={ns.fingerprint}|rank=0".encode()).hexdigest()
+    old_start = bytes.fromhex(hashlib.sha256(f"kvtier-ns|keys=2|model=m|format={ns.fingerprint}|rank=0".encode()).hexdigest())
+    old = hashlib.sha256(old_start + struct.pack("<2I", *tokens[:2])).digest()
+    assert old not in want
+
+
 def test_pools_of_different_formats_do_not_hit_each_other(registry, gen):
     a = make_pool(registry, small_format("fp8_e4m3"), model="m")
     b = make_pool(registry, small_format("fp8_e5m2"), model="m")
