@@ -222,6 +222,49 @@ def test_match_splits_the_prefix_by_nearest_tier_and_hits_agree(registry, gen):
     assert 'kvtier_hits_total{model="default",pool="split",rank="0",tier="host"} 3.0' in text
 
 
+def test_match_answers_while_another_thread_holds_the_lock_and_its_use_is_applied_after(registry, gen):
+    """A match never queues behind another thread's call: while the pool's lock is held it
+    answers from the key tables, and the next call that takes the lock applies what the match
+    saw: its hits are counted, and the matched page moves to the back of the eviction order."""
+    pool = TieredPool(small_format(), device_pages=4, host_pages=16, write_policy="write_through", registry=registry)
+    keys = prefix_keys(np.arange(64), 8, pool.namespace)
+    slots = pool.allocate(4)
+    fill_random(pool, slots, gen)
+    for key, slot in zip(keys, slots):  # committed oldest first: keys[0] is the first victim
+        pool.commit([key], [slot])
+    pool.release(slots)
+    pool.flush()
+    pool.evict(keys=keys[3:4])  # device: 0, 1, 2; host: all four
+    holding, leave = threading.Event(), threading.Event()
+
+    def holder():  # another thread mid-way through a call
+        with pool._lock:
+            holding.set()
+            leave.wait(LIVENESS_S)
+
+    side = threading.Thread(target=holder)
+    side.start()
+    assert holding.wait(LIVENESS_S)
+    answers = []
+    asker = threading.Thread(target=lambda: answers.append([pool.match(keys[:1]), pool.match(keys[2:5])]))
+    asker.start()
+    asker.join(LIVENESS_S)
+    assert not asker.is_alive(), "match waited for the lock"
+    assert pool._lock.locked() and side.is_alive()
+    first, second = answers[0]
+    assert (first.device, first.host, first.total) == (1, 0, 1)
+    assert (second.device, second.host, second.total) == (1, 1, 2)
+    leave.set()
+    side.join(LIVENESS_S)
+    s = pool.stats()  # the next holder of the lock applies both matches
+    assert s["hits"] == {"device": 2, "host": 1, "remote": 0} and s["misses"] == 1
+    assert sum(pool.latency_snapshot()["match"][0]) == 2
+    # keys[0] was touched by the match: keys[1] is now the oldest device page
+    assert pool.evict(1) == 1
+    assert pool.match(keys[:1]).device == 1 and pool.match(keys[1:2]).device == 0
+    pool.close()
+
+
 def test_constructor_refuses_bad_options(registry):
     with pytest.raises(TypeError, match="remote must be a directory path"):
         TieredPool(small_format(), device_pages=4, host_pages=4, registry=registry, remote=123)

@@ -27,6 +27,7 @@ It must never touch page bytes itself, nor hold its lock while it waits.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -184,6 +185,7 @@ class TieredPool:
         self._backup_work = threading.Condition(self._lock)
         self._offload_work = threading.Condition(self._lock)
         self._inflight: list[tuple[Ticket, object]] = []  # engine copies: (ticket, finish)
+        self._matches: collections.deque = collections.deque()  # matches that found the lock taken
         self._dev_landing: dict[int, Ticket] = {}  # device slot -> reload still landing in it
         self._fetching: dict[int, Ticket] = {}  # host slot -> remote fetch still landing in it
         self._evicting = bytearray(device_pages)  # device slots to free once their copy-down lands
@@ -335,51 +337,69 @@ class TieredPool:
     def match(self, keys: Iterable[Key]) -> MatchResult:
         """The loadable prefix of `keys`, split by nearest tier (see MatchResult); counts hits.
 
-        The remote tier's index is asked without the pool's lock held.
+        Never waits for the pool's lock: the key tables are read without it (and the remote
+        tier's index is asked without it). The use of the matched pages (eviction order, hit
+        counts, the write policy's copies of popular pages) and the counters are applied at
+        once when the lock is free, else by the next call that takes it, so a match never
+        queues behind another thread's call. Like any match, the answer is advice: a page can
+        leave before the `load` that follows.
         """
         start = time.perf_counter()
         ids = key_ids(keys)
-        with self._lock:
-            self._check_open()
-            self._reap()
-            on_device, on_host, local = self._walk(ids, 0)
-            self._touch_prefix(ids)
-            if self.remote is None or local == len(ids):  # nothing to ask the remote tier: one lock hold
-                return self._count_match(len(ids), on_device, on_host, 0, local, start)
-        remote = 0
-        total = local
-        if local < len(ids):
-            rest = ids[local:]
+        self._check_open()
+        on_device, on_host, total = self._walk(ids, 0)
+        remote = failed = 0
+        if self.remote is not None and total < len(ids):
+            rest = ids[total:]
             try:
                 in_remote = self.remote.contains_ids(rest)
             except Exception as exc:  # a failing remote tier is a miss, never an error for the engine
                 log.warning("remote index lookup of %d pages failed: %r", len(rest), exc)
                 in_remote = [False] * len(rest)
-                with self._lock:
-                    self.counters.remote_failures["read"] += len(rest)
-            with self._lock:
-                dtable, htable = self._dev.table, self._host.table
-                for kid, remote_has in zip(rest, in_remote):
-                    if kid in dtable:
-                        on_device += 1
-                    elif kid in htable:
-                        on_host += 1
-                    elif remote_has:
-                        remote += 1
-                    else:
-                        break
-                    total += 1
-        with self._lock:
-            return self._count_match(len(ids), on_device, on_host, remote, total, start)
+                failed = len(rest)
+            dtable, htable = self._dev.table, self._host.table
+            for kid, remote_has in zip(rest, in_remote):
+                if kid in dtable:
+                    on_device += 1
+                elif kid in htable:
+                    on_host += 1
+                elif remote_has:
+                    remote += 1
+                else:
+                    break
+                total += 1
+        seen = (ids, on_device, on_host, remote, total, failed, start)
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._reap()
+                    self._apply_match(seen, None)
+            finally:
+                self._lock.release()
+        else:  # deque.append is atomic: the lock's holder (or the next taker) applies it
+            self._matches.append((seen, time.perf_counter()))
+        return MatchResult(device=on_device, host=on_host, remote=remote, total=total)
 
-    def _count_match(self, asked: int, on_device: int, on_host: int, remote: int, total: int, start: float) -> MatchResult:
+    def _apply_match(self, seen: tuple, ended: float | None) -> None:
+        """Touch a match's pages and count it (under the lock). ended: when a deferred match
+        returned (None: now)."""
+        ids, on_device, on_host, remote, total, failed, start = seen
+        self._touch_prefix(ids)
         c = self.counters
         c.hits["device"] += on_device
         c.hits["host"] += on_host
         c.hits["remote"] += remote
-        c.misses += asked - total
-        c.latency["match"].observe(time.perf_counter() - start)
-        return MatchResult(device=on_device, host=on_host, remote=remote, total=total)
+        c.misses += len(ids) - total
+        if failed:
+            c.remote_failures["read"] += failed
+        c.latency["match"].observe((time.perf_counter() if ended is None else ended) - start)
+
+    def _apply_matches(self) -> None:
+        """The matches that found the lock taken, in order (under the lock)."""
+        matches = self._matches
+        while matches:
+            seen, ended = matches.popleft()
+            self._apply_match(seen, ended)
 
     def _walk(self, ids: list[bytes], start: int) -> tuple[int, int, int]:
         """(device, host, end) over the leading ids from `start` held by the device or host."""
@@ -850,6 +870,8 @@ class TieredPool:
     def latency_snapshot(self) -> dict[str, tuple[list[int], float]]:
         """Bucket counts and sums of the call and remote-job latency histograms (for the exporter)."""
         with self._lock:
+            if self._matches and not self._closed:
+                self._apply_matches()
             return {op: hist.snapshot() for op, hist in self.counters.latency.items()}
 
     def remote_stats(self) -> dict:
@@ -872,6 +894,8 @@ class TieredPool:
     def stats(self) -> dict:
         """Counters and gauges of this pool: O(1), whatever the tiers hold."""
         with self._lock:
+            if self._matches and not self._closed:
+                self._apply_matches()
             c = self.counters
             return {
                 "pool": self.name,
@@ -1367,6 +1391,8 @@ class TieredPool:
             self._inflight.append((ticket, finish))
 
     def _reap(self) -> None:
+        if self._matches:
+            self._apply_matches()
         if not self._inflight:
             return
         inflight, self._inflight = self._inflight, []
