@@ -10,6 +10,10 @@ Targets (issue: serving-grade control plane): load of 1-16 pages returns in <= 1
 time at 32 layers and <= 150 µs at 92 layers, and is done within the bytes' PCIe time +
 100 µs; commit of 1-16 pages <= 50 µs; large loads >= 0.85x of the PCIe limit end to end.
 
+Small calls are timed twice: each right after device work and a synchronize (as a scheduler
+calls the pool between steps: the columns "load ret" and "commit"; the CPU caches are cold), and
+back to back, several calls in a row ("b2b": the calls' own cost).
+
     python benchmarks/pool_latency.py [--device cuda] [--repeats 30] [--json out.json]
 
 On a machine without CUDA it runs the CPU twin (device="cpu") and says so: the numbers then
@@ -74,6 +78,39 @@ def fill(pool: TieredPool, slots: list[int], seed: int) -> None:
                 scales[index] = torch.rand((len(slots), *scales.shape[1:]), generator=gen, device=device) + 0.05
 
 
+def _back_to_back(pool: TieredPool, fresh, n: int, sync, calls: int = 8, rounds: int = 4) -> tuple[float, float]:
+    """Median host time of `calls` commits, then `calls` loads, of n pages each, issued one after
+    another with no device work or synchronization between them (the pages were written once
+    before): the calls' own cost, without the cold caches that the column measured after
+    device work pays."""
+    commits, loads = [], []
+    for r in range(rounds):
+        keys = [fresh(n) for _ in range(calls)]
+        slots = [pool.allocate(n) for _ in range(calls)]
+        fill(pool, [s for part in slots for s in part], r)
+        sync()
+        for k, part in zip(keys, slots):
+            t = time.perf_counter()
+            pool.commit(k, part)
+            commits.append((time.perf_counter() - t) * 1e6)
+        for part in slots:
+            pool.release(part)
+        pool.flush()
+        for k in keys:
+            pool.evict(keys=k)
+        sync()
+        handles = []
+        for k in keys:
+            t = time.perf_counter()
+            handles.append(pool.load(k))
+            loads.append((time.perf_counter() - t) * 1e6)
+        for handle, k in zip(handles, keys):
+            handle.synchronize()
+            pool.release(handle.slots)
+            pool.evict(keys=k)
+    return statistics.median(commits), statistics.median(loads)
+
+
 def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: float, large_bytes: int) -> list[dict]:
     fmt = PageFormat(**spec)
     large = max(17, large_bytes // fmt.page_bytes)
@@ -112,12 +149,14 @@ def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: flo
             done_us.append((landed - t) * 1e6)
             pool.release(handle.slots)
             pool.evict(keys=keys)
+        warm_commit, warm_load = (_back_to_back(pool, fresh, n, sync, calls=max(2, min(8, pages // 2 // n))) if n <= 16 else (float("nan"), float("nan")))
         nbytes = n * fmt.page_bytes
         pcie_us = nbytes / (pcie * 1e9) * 1e6 if pcie == pcie else float("nan")
         row = {
             "format": name, "pages": n, "page_bytes": fmt.page_bytes, "pcie_us": pcie_us,
             "load_returns_us": statistics.median(load_us), "load_done_us": statistics.median(done_us),
             "commit_us": statistics.median(commit_us),
+            "commit_back_to_back_us": warm_commit, "load_returns_back_to_back_us": warm_load,
             "load_gbps": nbytes / (statistics.median(done_us) / 1e6) / 1e9,
             "engine_path": getattr(pool.engine, "last_path", None),
         }
@@ -147,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.formats.split(","):
         rows += measure(name, FORMATS[name], device, args.repeats, pcie, args.large_mib << 20)
     print(f"{'format':<20}{'pages':>6}{'PCIe µs':>10}{'load ret µs':>13}{'load done µs':>14}{'commit µs':>11}"
-          f"{'GB/s':>8}{'x PCIe':>8}  path")
+          f"{'GB/s':>8}{'x PCIe':>8}{'b2b load':>10}{'b2b commit':>12}  path")
     for r in rows:
         print(f"{r['format']:<20}{r['pages']:>6}{r['pcie_us']:>10.1f}{r['load_returns_us']:>13.1f}"
               f"{r['load_done_us']:>14.1f}{r['commit_us']:>11.1f}{r['load_gbps']:>8.1f}{r.get('load_vs_pcie', float('nan')):>8.2f}"
-              f"  {r['engine_path']}")
+              f"{r['load_returns_back_to_back_us']:>10.1f}{r['commit_back_to_back_us']:>12.1f}  {r['engine_path']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
