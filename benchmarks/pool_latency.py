@@ -149,7 +149,9 @@ def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: flo
             done_us.append((landed - t) * 1e6)
             pool.release(handle.slots)
             pool.evict(keys=keys)
-        warm_commit, warm_load = (_back_to_back(pool, fresh, n, sync, calls=max(2, min(8, pages // 2 // n))) if n <= 16 else (float("nan"), float("nan")))
+        warm_commit = warm_load = float("nan")
+        if n <= 16:
+            warm_commit, warm_load = _back_to_back(pool, fresh, n, sync, calls=max(2, min(8, pages // 2 // n)))
         nbytes = n * fmt.page_bytes
         pcie_us = nbytes / (pcie * 1e9) * 1e6 if pcie == pcie else float("nan")
         row = {
