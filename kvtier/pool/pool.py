@@ -395,9 +395,10 @@ class TieredPool:
         c.latency["match"].observe((time.perf_counter() if ended is None else ended) - start)
 
     def _apply_matches(self) -> None:
-        """The matches that found the lock taken, in order (under the lock)."""
+        """The matches that found the lock taken, in order (under the lock); a closed pool's are
+        left unapplied, as a match that finds the pool closed applies nothing."""
         matches = self._matches
-        while matches:
+        while matches and not self._closed:
             seen, ended = matches.popleft()
             self._apply_match(seen, ended)
 
@@ -870,8 +871,7 @@ class TieredPool:
     def latency_snapshot(self) -> dict[str, tuple[list[int], float]]:
         """Bucket counts and sums of the call and remote-job latency histograms (for the exporter)."""
         with self._lock:
-            if self._matches and not self._closed:
-                self._apply_matches()
+            self._apply_matches()
             return {op: hist.snapshot() for op, hist in self.counters.latency.items()}
 
     def remote_stats(self) -> dict:
@@ -894,8 +894,7 @@ class TieredPool:
     def stats(self) -> dict:
         """Counters and gauges of this pool: O(1), whatever the tiers hold."""
         with self._lock:
-            if self._matches and not self._closed:
-                self._apply_matches()
+            self._apply_matches()
             c = self.counters
             return {
                 "pool": self.name,
