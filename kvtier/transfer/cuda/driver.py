@@ -1,16 +1,20 @@
-"""The few CUDA driver calls the engine makes per transfer, through cuda.bindings.
+"""The few CUDA driver calls the engine makes per transfer.
 
 Owns calling cuLaunchKernel (with a prepacked parameter block), cuStreamWaitValue32,
 cuStreamWaitEvent, cuEventRecord, cuStreamQuery and event creation, and turning their error
 codes into exceptions that name the call and its arguments. These are the calls a transfer
-makes on the host's critical path, so each is one binding call with prebuilt handles: no
-context manager, no per-call object beyond the stream handle the caller hands in.
+makes on the host's critical path: the four made per transfer (launch, the two waits, event
+record) go straight to libcuda through ctypes with integer handles, about 1 µs a call, where
+cuda.bindings' wrappers cost 5-13 µs a call on the H200's host (BENCHMARKS.md); the rest, and
+every call where libcuda cannot be opened by name, go through cuda.bindings.
 A thread that has not touched this device yet has no current CUDA context; the call is then
 retried once inside torch.cuda.device(...), which binds the device's primary context.
 It must never decide what to launch or wait on.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -38,6 +42,37 @@ class Driver:
         self._success = driver.CUresult.CUDA_SUCCESS
         self._not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
         self._no_context = (driver.CUresult.CUDA_ERROR_INVALID_CONTEXT, driver.CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
+        self._no_context_codes = tuple(int(code) for code in self._no_context)
+        self._lib = _libcuda()
+        if self._lib is not None:
+            self.launch = self._launch_direct
+            self.wait_value = self._wait_value_direct
+            self.wait_event = self._wait_event_direct
+            self.record_event = self._record_event_direct
+
+    def _direct(self, what: str, function, *args) -> None:
+        """A libcuda call through ctypes: 0 is success; a thread without this device's context
+        binds it and retries once; anything else raises, named by cuda.bindings."""
+        code = function(*args)
+        if code in self._no_context_codes:
+            with torch.cuda.device(self.device):
+                code = function(*args)
+        if code:
+            self._check((self._cu.CUresult(code),), what, args)
+
+    def _launch_direct(self, function, blocks: int, threads: int, stream, params: int, name: str) -> None:
+        self._direct(f"cuLaunchKernel of {name}", self._lib.cuLaunchKernel, int(function), blocks, 1, 1, threads, 1, 1, 0,
+                     int(stream), params, None)
+
+    def _wait_value_direct(self, stream, address: int, value: int) -> None:
+        self._direct("cuStreamWaitValue32", self._lib.cuStreamWaitValue32_v2, int(stream), address, value,
+                     CU_STREAM_WAIT_VALUE_GEQ)
+
+    def _wait_event_direct(self, stream, event) -> None:
+        self._direct("cuStreamWaitEvent", self._lib.cuStreamWaitEvent, int(stream), int(event), 0)
+
+    def _record_event_direct(self, event, stream) -> None:
+        self._direct("cuEventRecord", self._lib.cuEventRecord, int(event), int(stream))
 
     def _check(self, result, what: str, args: tuple = ()):
         error = result[0]
@@ -99,3 +134,33 @@ class Driver:
     def host_device_pointer(self, host: int) -> int:
         """The device alias of CUDA-registered (pinned) host memory at `host`."""
         return int(self._call("cuMemHostGetDevicePointer", self._cu.cuMemHostGetDevicePointer, host, 0))
+
+
+_LIB: list = []
+
+
+def _libcuda():
+    """libcuda's four per-transfer entry points with their C signatures, or None (the library
+    cannot be opened by name, or lacks one of them)."""
+    if _LIB:
+        return _LIB[0]
+    lib = None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        handle, uint = ctypes.c_void_p, ctypes.c_uint
+        signatures = {
+            # CUfunction, grid xyz, block xyz, shared bytes, CUstream, void** params, void** extra
+            "cuLaunchKernel": (handle, uint, uint, uint, uint, uint, uint, uint, handle, handle, handle),
+            # CUstream, CUdeviceptr, cuuint32_t value, flags
+            "cuStreamWaitValue32_v2": (handle, ctypes.c_uint64, ctypes.c_uint32, uint),
+            "cuStreamWaitEvent": (handle, handle, uint),  # CUstream, CUevent, flags
+            "cuEventRecord": (handle, handle),  # CUevent, CUstream
+        }
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        lib = None
+    _LIB.append(lib)
+    return lib
