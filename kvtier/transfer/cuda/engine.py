@@ -197,7 +197,7 @@ class CudaEngine(TransferEngine):
                     buffer.failed[:count] = 0
                 seq = lane.next_seq()
                 self.kernels.submit("offload", lane, buffer, count, seq)
-            return FlagTicket(lane, seq, buffer, count, fmt.converts, self.device)
+            return FlagTicket(lane, seq, buffer, count, fmt.converts, self.device, count * fmt.page_bytes)
         stream = self.offload_stream
         dev_idx, host_idx = np.asarray(dev, dtype=np.int64), np.asarray(host, dtype=np.int64)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -235,7 +235,7 @@ class CudaEngine(TransferEngine):
                 buffer.dst[:count] = dev
                 seq = lane.next_seq()
                 self.kernels.submit("reload", lane, buffer, count, seq)
-            return FlagTicket(lane, seq, buffer, count, False, self.device)
+            return FlagTicket(lane, seq, buffer, count, False, self.device, count * fmt.page_bytes)
         stream = self.reload_stream
         host_idx, dev_idx = np.asarray(host, dtype=np.int64), np.asarray(dev, dtype=np.int64)
         keep: list = []

@@ -38,6 +38,8 @@ SEQ_HALF = 0x80000000
 # returned up to 0.9 ms late (a 16-page 92-layer load done at 5.0 ms, its bytes at 4.0 ms).
 SPIN_S = 100e-6
 FIRST_NAP_S = 10e-6
+MAX_SLEEP_S = 1e-3  # longest sleep while a transfer is not yet due
+RATE_MIN_BYTES = 1 << 20  # transfers this large teach their lane its rate
 MAX_NAP_S = 50e-6
 STALL_CHECK_S = 0.05
 
@@ -89,6 +91,7 @@ class StreamLane:
         self.driver = driver
         self.lock = threading.RLock()  # a dropped ticket may hand its buffer back while the lock is held
         self.seq = 0
+        self.bytes_per_s = 0.0  # the fastest rate a transfer of this lane was seen landing at (0: none yet)
         self._pinned = pinned
         self._free: dict[int, list[SlotBuffer]] = {}
         self._orphans: collections.deque[tuple[int, SlotBuffer]] = collections.deque()
@@ -97,6 +100,11 @@ class StreamLane:
         """The next sequence number (call under `lock`, and launch before releasing it)."""
         self.seq = (self.seq + 1) & SEQ_MASK
         return self.seq
+
+    def saw(self, bytes_per_s: float) -> None:
+        """A transfer landed this fast, counted from its submission (so never faster than it ran)."""
+        if bytes_per_s > self.bytes_per_s:
+            self.bytes_per_s = bytes_per_s
 
     def landed(self, seq: int, layer: int) -> bool:
         return landed(int(self.flags[layer]), seq)
@@ -124,9 +132,14 @@ class StreamLane:
 class FlagTicket(Ticket):
     """A one-launch transfer on `lane` with sequence number `seq` (see the module docstring)."""
 
-    __slots__ = ("_lane", "_seq", "_buffer", "_count", "_reads_failed", "_failed", "num_layers", "device")
+    __slots__ = ("_lane", "_seq", "_buffer", "_count", "_reads_failed", "_failed", "num_layers", "device", "nbytes",
+                 "submitted")
 
-    def __init__(self, lane: StreamLane, seq: int, buffer: SlotBuffer, count: int, reads_failed: bool, device) -> None:
+    def __init__(
+        self, lane: StreamLane, seq: int, buffer: SlotBuffer, count: int, reads_failed: bool, device, nbytes: int = 0
+    ) -> None:
+        self.nbytes = nbytes  # bytes the transfer moves (0: unknown); with `submitted`, what synchronize expects
+        self.submitted = time.perf_counter()
         self._lane = lane
         self._seq = seq
         self._buffer = buffer
@@ -141,6 +154,8 @@ class FlagTicket(Ticket):
             return True
         if not landed(int(self._lane.flags[self.num_layers]), self._seq):
             return False
+        if self.nbytes >= RATE_MIN_BYTES:
+            self._lane.saw(self.nbytes / (time.perf_counter() - self.submitted))
         buffer, self._buffer = self._buffer, None
         if self._reads_failed:
             self._failed = np.flatnonzero(buffer.failed[: self._count]).tolist()
@@ -149,8 +164,29 @@ class FlagTicket(Ticket):
         return True
 
     def synchronize(self) -> None:
-        began = time.perf_counter()
-        while time.perf_counter() - began < SPIN_S:
+        """Return once the transfer has landed. Where the lane has seen its rate (the fastest
+        transfer of its direction so far, bytes over the time from submission to landing),
+        sleep through most of the time this one should take and spin around the moment it is
+        due, so a large transfer neither burns a core for its whole length nor is seen late
+        by a nap's timer slack (a 10 µs sleep lasts 60-110 µs on Linux); then nap with backoff.
+        Queueing only makes a transfer look slower and the lane keeps the fastest, so the sleep
+        ends before the transfer does (a rate seen too fast only starts the spin sooner)."""
+        if self.done():
+            return
+        lane = self._lane
+        if lane.bytes_per_s and self.nbytes:
+            due = self.submitted + self.nbytes / lane.bytes_per_s
+            while True:
+                left = due - SPIN_S - time.perf_counter()
+                if left <= 0:
+                    break
+                time.sleep(min(left, MAX_SLEEP_S))
+                if self.done():
+                    return
+            spin_until = max(time.perf_counter(), due) + SPIN_S
+        else:
+            spin_until = time.perf_counter() + SPIN_S
+        while time.perf_counter() < spin_until:
             if self.done():
                 return
         nap, slept = FIRST_NAP_S, 0.0
