@@ -102,7 +102,7 @@ class StreamLane:
         return self.seq
 
     def saw(self, bytes_per_s: float) -> None:
-        """A transfer landed this fast, counted from its submission (so never faster than it ran)."""
+        """A transfer landed this fast, counted from its submission (queueing only makes it look slower)."""
         if bytes_per_s > self.bytes_per_s:
             self.bytes_per_s = bytes_per_s
 
