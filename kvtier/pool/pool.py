@@ -22,6 +22,10 @@ room and finds only pages that could not be made durable drops the oldest of the
 (`dropped{reason="remote_unavailable"}`) and logs the cause once per outage. A dirty page is
 never dropped while the remote tier is healthy. Remote pages stay loadable throughout.
 
+The class is split in three files along that line: this one is the pool's face (what each
+call decides, under the lock); movement.py starts the copies it schedules and applies them
+when they land; room.py takes slots and evicts to make them. TieredPool inherits both.
+
 It must never touch page bytes itself, nor hold its lock while it waits.
 """
 
@@ -47,7 +51,9 @@ from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
 from kvtier.pool.checks import check_count, check_positive, check_slots, check_unique
 from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
+from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.remote_link import RemoteLink
+from kvtier.pool.room import TierRoom
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
 
@@ -61,11 +67,7 @@ Key = str | bytes
 log = logging.getLogger(__name__)
 
 COPY_PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
-_READABLE = [s in (S.RESIDENT, S.DIRTY, S.OFFLOADING) for s in PageState]
 _ROUNDS = 64  # a load re-plans at most this many times while other threads take its pages
-# Eviction looks this many entries past what it needs, so pages it must pass over (dirty ones
-# whose copy cannot start yet) do not hide clean pages behind them. Bounded: calls stay O(batch).
-_OVERSCAN = 256
 # A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
@@ -106,7 +108,7 @@ def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes):
     return remote, False
 
 
-class TieredPool:
+class TieredPool(Movement, TierRoom):
     """Pages of one model, one page format and one rank, across device, host (and remote) tiers.
 
     engine: "auto" (CUDA engine on a CUDA device, torch twin elsewhere), "torch", "cuda",
@@ -717,6 +719,21 @@ class TieredPool:
                 out[i] = slot
         return LoadHandle(tickets, self.fmt.num_layers, out)
 
+    def prefetch_to_host(self, keys: Iterable[Key]) -> Ticket | None:
+        """Start bringing the remote-only pages among `keys` into the host tier on the remote
+        reader; returns its ticket at once (None when nothing needs fetching or there is no room
+        now). A hint: it never waits and never raises for the pages."""
+        ids = key_ids(keys)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            if self._link is None:
+                return None
+            dtable, htable = self._dev.table, self._host.table
+            wanted = [k for k in dict.fromkeys(ids) if k not in dtable and k not in htable]
+            started = self._fetch(wanted, for_load=False) if wanted else []
+            return started[0][1] if started else None
+
     # --- eviction / flush / close --------------------------------------------------------
     def evict(self, n: int | None = None, tier: str = "device", keys: Iterable[Key] | None = None) -> int:
         """Evict up to n unheld pages (all when n is None), or exactly `keys`, from `tier`.
@@ -919,487 +936,6 @@ class TieredPool:
                 "states": {"device": self._dev.state_counts(), "host": self._host.state_counts()},
                 "held": {"device": self._dev.held},
             }
-
-    # --- internals: device slots -------------------------------------------------------------
-    def _take_device(self, n: int) -> list[int]:
-        """n device slots in FILLING, held by the caller. Evicts as needed; waits outside the lock."""
-        dev = self._dev
-        got: list[int] = []
-        try:
-            while True:
-                with self._lock:
-                    self._check_open()
-                    self._reap()
-                    if n - len(got) > dev.capacity - dev.held:
-                        raise PoolExhausted(self._exhausted("device", n - len(got)))
-                    more = dev.take_free(n - len(got), S.FILLING)
-                    need = n - len(got) - len(more)
-                    if need:
-                        self._make_device_room(need)
-                        more += dev.take_free(need, S.FILLING)
-                    dev.pin_all(more)
-                    got += more
-                    if len(got) == n:
-                        return got
-                    wait = self._progress_waiter("device")
-                    if wait is None:
-                        raise PoolExhausted(self._exhausted("device", n - len(got)))
-                wait()
-        except BaseException:
-            if got:
-                with self._lock:
-                    for slot in got:
-                        dev.unpin(slot)
-                    dev.set_states(got, S.FREE)
-            raise
-
-    def _progress_waiter(self, tier: str):
-        """Something to wait for (outside the lock) that may free slots of `tier`, or None."""
-        if self._inflight:
-            return self._inflight[0][0].synchronize
-        if self._link is not None and (self._backups_in_flight or self._fetching or (
-                len(self._backup_queue) and self._breaker.wait_s() < float("inf"))):
-            timeout = min(1.0, max(0.001, self._breaker.wait_s()))
-
-            def wait() -> None:
-                with self._lock:
-                    self._changed.wait(timeout)
-
-            return wait
-        return None
-
-    def _exhausted(self, tier: str, n: int) -> str:
-        index = self._dev if tier == "device" else self._host
-        advice = ("release pages the engine holds or raise device_pages" if tier == "device"
-                  else "raise host_pages or load fewer pages at once")
-        return (
-            f"{tier} tier: need {n} slots, none left free or evictable "
-            f"({index.capacity} slots: {index.held} held by the engine, {index.busy_slots} in copies in flight, "
-            f"{index.counts[S.DIRTY]} not yet durable); {advice}"
-        )
-
-    def _evict_device(self, victims: list[int], want: int | None = None) -> int:
-        """Free device slots from `victims` (LRU order) until `want` are free or on their way:
-        clean pages go now; dirty pages the write policy keeps go once their copy down lands
-        (their copies start here). Dirty pages whose copy cannot start yet (no host room) are
-        passed over, so clean pages behind them still go. Returns how many are free now or on
-        their way."""
-        dev = self._dev
-        want = len(victims) if want is None else want
-        free, dirty = [], []
-        rest = iter(victims)
-        for slot in rest:
-            if len(free) + len(dirty) >= want:
-                break
-            if dev.state[slot] == S.DIRTY:
-                if self.write_policy.copy_on_evict(dev.hits[slot]):
-                    dirty.append(slot)
-                    continue
-                self._count_drop("selective", 1)
-            free.append(slot)
-        dev.set_states(free, S.FREE)
-        freed = len(free)
-        started = 0
-        if dirty:
-            for slot in self._copy_down(dirty, evicting=True):
-                if self._evicting[slot]:
-                    started += 1  # freed when its copy lands
-                elif dev.state[slot] == S.FREE:
-                    started += 1  # its copy landed at once and freed it (_free_evicted counted it)
-                elif dev.state[slot] == S.RESIDENT and not dev.busy[slot] and not dev.pins[slot]:
-                    dev.set_state(slot, S.FREE)  # the host tier already had it
-                    freed += 1
-        if freed + started < want:  # passed-over dirty pages: look further for clean ones
-            more = []
-            for slot in rest:
-                if freed + started + len(more) >= want:
-                    break
-                if dev.state[slot] == S.RESIDENT:
-                    more.append(slot)
-            dev.set_states(more, S.FREE)
-            freed += len(more)
-        self.counters.evictions["device"] += freed
-        return freed + started
-
-    def _free_evicted(self, slots) -> None:
-        dev = self._dev
-        done = []
-        for slot in slots:
-            if self._evicting[slot]:
-                self._evicting[slot] = 0
-                if dev.state[slot] == S.RESIDENT and not dev.busy[slot] and not dev.pins[slot]:
-                    done.append(slot)
-        dev.set_states(done, S.FREE)
-        self.counters.evictions["device"] += len(done)
-
-    # --- internals: host slots -----------------------------------------------------------------
-    def _take_host(self, n: int, busy_delta: int = 0) -> list[int]:
-        """Up to n host slots in LOADING state with `busy_delta` copies on each, evicting host
-        pages as needed (evicted slots are handed over directly); never waits."""
-        host = self._host
-        slots = host.take_free(n, S.LOADING, busy_delta)
-        if len(slots) < n:
-            need = n - len(slots)
-            self._evict_host(host.victims(need), want=need, into=slots, busy_delta=busy_delta)
-            if len(slots) < n:  # dirty pages were passed over: look further for clean ones
-                need = n - len(slots)
-                self._evict_host(host.victims(need + _OVERSCAN), want=need, into=slots, busy_delta=busy_delta)
-        return slots
-
-    def _make_device_room(self, need: int) -> None:
-        """Evict from the device tier's LRU front until `need` slots are free or on their way.
-        The first look reads `need` entries; only when it had to pass pages over (dirty ones
-        whose copy cannot start yet) does a second look read up to _OVERSCAN entries further."""
-        dev = self._dev
-        got = self._evict_device(dev.victims(need), want=need)
-        if got < need:
-            self._evict_device(dev.victims(need + _OVERSCAN), want=need - got)
-    def _evict_host(self, victims: list[int], want: int | None = None, into: list | None = None,
-                    busy_delta: int = 0) -> int:
-        """Free host slots from `victims` (LRU order) until `want` are free or on their way.
-
-        Clean pages go now. Dirty pages the write policy keeps are queued for backup while the
-        remote tier is healthy (they go once durable); while it is not, the oldest are dropped,
-        counted and logged once per outage. Pages already queued are passed over, so clean
-        pages behind them still go. Returns how many are free now or on their way. With `into`,
-        the freed slots are not freed but handed to new pages (LOADING, `busy_delta` copies)
-        and appended to `into`."""
-        host, dev = self._host, self._dev
-        want = len(victims) if want is None else want
-        free, queued, unavailable = [], 0, 0
-        for slot in victims:
-            if len(free) + queued >= want:
-                break
-            if host.state[slot] == S.DIRTY:
-                if not self.write_policy.copy_on_evict(host.hits[slot]):
-                    self._count_drop("selective", 1)
-                elif self._breaker.healthy:
-                    if slot not in self._backup_queue:
-                        self._backup_queue.append(slot)
-                        queued += 1
-                    continue
-                else:
-                    unavailable += 1
-            free.append(slot)
-        if unavailable:
-            self._count_drop("remote_unavailable", unavailable)
-            if not self._drop_logged:
-                self._drop_logged = True
-                log.warning(
-                    "remote tier unavailable (%s): dropping host pages that could not be made durable to make room; "
-                    "they are counted in kvtier_dropped_pages{reason=\"remote_unavailable\"}",
-                    self._breaker.last_error,
-                )
-        durable_below = self._link is not None
-        for slot in free:
-            # A page the host tier lets go that no tier below holds (no remote tier, or not
-            # durable there yet): its device copy, if any, is now the only one and becomes dirty.
-            if not durable_below or host.state[slot] == S.DIRTY:
-                dslot = dev.lookup(host.id_of(slot))
-                if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
-                    dev.set_state(dslot, S.DIRTY)
-            self._backup_queue.discard(slot)
-        if into is None:
-            host.set_states(free, S.FREE)
-        else:
-            host.reuse(free, S.LOADING, busy_delta)
-            into.extend(free)
-        if queued:
-            self._backup_work.notify()
-        self.counters.evictions["host"] += len(free)
-        return len(free) + queued
-
-    def _count_drop(self, reason: str, n: int) -> None:
-        self.counters.dropped[reason] += n
-
-    # --- internals: remote ---------------------------------------------------------------------
-    def _next_backup(self):
-        """The writer thread's next batch (called under the lock; waits on `_changed`)."""
-        host, tier, queue = self._host, self.host_tier, self._backup_queue
-        while True:
-            if self._closed:
-                return None
-            if len(queue) and self._breaker.allow():
-                slots = []
-                for slot in queue.first(self._batch_pages):
-                    queue.discard(slot)
-                    if host.state[slot] == S.DIRTY and not host.busy[slot]:
-                        slots.append(slot)
-                if not slots:
-                    if self._breaker.state != self._breaker.state.CLOSED:
-                        self._breaker.record(True)
-                    continue
-                host.set_states(slots, S.OFFLOADING, busy_delta=1)
-                self._backups_in_flight += 1
-                ids = [host.id_of(s) for s in slots]
-                buffers = [tier.page(s) for s in slots]
-                return ids, buffers, lambda ok, error, seconds: self._backup_done(slots, ok, error, seconds)
-            self._backup_work.wait(timeout=None if not len(queue) else max(0.001, self._breaker.wait_s()))
-
-    def _backup_done(self, slots: list[int], ok: list[bool], error, seconds: float) -> None:
-        host = self._host
-        good = [s for s, o in zip(slots, ok) if o]
-        bad = [s for s, o in zip(slots, ok) if not o]
-        self._backups_in_flight -= 1
-        host.set_states(good, S.RESIDENT, busy_delta=-1)
-        host.set_states(bad, S.DIRTY, busy_delta=-1)
-        for slot in bad:
-            self._backup_queue.append(slot)
-        c = self.counters
-        c.moved("host_to_remote", len(good), len(good) * self.fmt.page_bytes)
-        c.remote_failures["write"] += len(bad)
-        c.latency["remote_put"].observe(seconds)
-        was_healthy = self._breaker.healthy
-        self._breaker.record(not bad, None if not bad else repr(error) if error else f"{len(bad)} of {len(slots)} pages not written")
-        if self._breaker.healthy and not was_healthy:
-            log.warning("remote tier writes work again; backups resumed")
-            self._drop_logged = False
-        elif was_healthy and not self._breaker.healthy:
-            log.warning("remote tier writes fail (%s); backing off, pages stay in the host tier", self._breaker.last_error)
-
-    def _backup_popular(self, host_slots: list[int]) -> None:
-        """write_through_selective: back up the dirty host pages that just reached enough hits."""
-        if self._link is None:
-            return
-        host = self._host
-        ready = [s for s in host_slots if host.state[s] == S.DIRTY and self.write_policy.copy_on_hit(host.hits[s])]
-        for slot in ready:
-            self._backup_queue.append(slot)
-        if ready:
-            self._backup_work.notify()
-
-    def _fetch(self, ids: list[bytes], for_load: bool) -> list[tuple[int, Ticket]]:
-        """Start reading remote pages into host slots (as many as have room now).
-
-        Returns (host slot, ticket) per page started, in order. for_load: the caller holds each
-        slot (busy) from now on and releases it itself; else (a prefetch hint) the slot becomes
-        evictable when the page lands.
-        """
-        host, tier = self._host, self.host_tier
-        # The fetch's hold, dropped when it lands; for a load, also the load's own, dropped by
-        # the load (_release_host).
-        slots = self._take_host(len(ids), busy_delta=2 if for_load else 1)
-        if not slots:
-            return []
-        ids = ids[: len(slots)]
-        host.bind_all(slots, ids)
-        buffers = [tier.page(s) for s in slots]
-
-        def apply(ok: list[bool], error: BaseException | None, seconds: float) -> None:
-            good = [s for s, o in zip(slots, ok) if o]
-            bad = [s for s, o in zip(slots, ok) if not o]
-            for s in slots:
-                self._fetching.pop(s, None)
-            host.set_states(good, S.RESIDENT, busy_delta=-1)
-            host.unhold_all(bad)
-            # A failed page loses its key at once (a miss from now on); a load that still holds
-            # the slot frees it when it looks (_release_host).
-            host.set_states([s for s in bad if not host.busy[s]], S.FREE)
-            for s in bad:
-                if host.busy[s]:
-                    host.table.unbind(s)
-            c = self.counters
-            c.moved("remote_to_host", len(good), len(good) * self.fmt.page_bytes)
-            # The remote index promised these pages (or they were asked for by key): a page it
-            # could not serve, whatever the reason, is a failed read; the store unpublished it.
-            c.remote_failures["read"] += len(bad)
-            c.latency["remote_get"].observe(seconds)
-
-        submit = self._link.read if for_load else self._link.try_read
-        ticket = submit(ids, buffers, apply)
-        if ticket is None:  # a hint that does not fit in the queue: give the slots back
-            host.unhold_all(slots)
-            host.set_states(slots, S.FREE)
-            return []
-        for s in slots:
-            self._fetching[s] = ticket
-        return [(s, ticket) for s in slots]
-
-    def prefetch_to_host(self, keys: Iterable[Key]) -> Ticket | None:
-        """Start bringing the remote-only pages among `keys` into the host tier on the remote
-        reader; returns its ticket at once (None when nothing needs fetching or there is no room
-        now). A hint: it never waits and never raises for the pages."""
-        ids = key_ids(keys)
-        with self._lock:
-            self._check_open()
-            self._reap()
-            if self._link is None:
-                return None
-            dtable, htable = self._dev.table, self._host.table
-            wanted = [k for k in dict.fromkeys(ids) if k not in dtable and k not in htable]
-            started = self._fetch(wanted, for_load=False) if wanted else []
-            return started[0][1] if started else None
-
-    # --- internals: copies -----------------------------------------------------------------
-    def _copy_down(self, dev_slots: list[int], evicting: bool) -> list[int]:
-        """Start offloading dirty device pages to the host tier (as many as it has room for now).
-
-        Pages the host tier already has become clean at once; pages it is still fetching are
-        left dirty. evicting: each page copied is freed when its copy lands. Returns the device
-        slots that are clean now or whose copy started. Never waits.
-        """
-        dev, host = self._dev, self._host
-        clean, moving = [], []
-        for slot in dev_slots:
-            h = host.lookup(dev.id_of(slot))
-            if h < 0:
-                moving.append(slot)
-            elif _READABLE[host.state[h]]:
-                clean.append(slot)
-        dev.set_states(clean, S.RESIDENT)
-        if not moving:
-            return clean
-        return clean + self._start_copy_down(moving, [dev.id_of(slot) for slot in moving], evicting)
-
-    def _offload_loop(self) -> None:
-        """The offload thread: starts the write-through copies that commits queued."""
-        dev = self._dev
-        with self._lock:
-            while True:
-                while not self._pending_down and not self._closed:
-                    self._offload_work.wait()
-                if self._closed:
-                    return  # close flushed every dirty page first
-                batches, self._pending_down = self._pending_down, []
-                for slots, ids, ready in batches:
-                    get = dev.table.get
-                    live = [(s, k) for s, k in zip(slots, ids)
-                            if dev.state[s] == S.DIRTY and not dev.busy[s] and get(k) == s]
-                    if not live:
-                        continue
-                    try:
-                        self._start_copy_down([s for s, _ in live], [k for _, k in live], evicting=False, ready=ready)
-                    except Exception:  # the pages stay dirty: eviction or flush copies them
-                        log.exception("write-through copy of %d pages failed to start", len(live))
-                self._changed.notify_all()
-
-    def _start_copy_down(self, moving: list[int], ids: list[bytes], evicting: bool, ready=None) -> list[int]:
-        """Copy dirty device pages that the host tier does not hold (`ids` are their keys) into
-        as many host slots as there is room for now; returns the device slots whose copy started.
-        The copy waits for `ready` (default: the latest commit's event)."""
-        dev, host = self._dev, self._host
-        host_slots = self._take_host(len(moving), busy_delta=1)
-        moving = moving[: len(host_slots)]
-        if not moving:
-            return []
-        host.bind_all(host_slots, ids[: len(host_slots)])
-        dev.set_states(moving, S.OFFLOADING, busy_delta=1)
-        if evicting:
-            for slot in moving:
-                self._evicting[slot] = 1
-        ticket = self.engine.offload(moving, host_slots, ready=self._ready if ready is None else ready)
-
-        def finish() -> None:
-            failed = set(ticket.failed_positions())
-            good = [i for i in range(len(moving)) if i not in failed]
-            bad = sorted(failed)
-            dev_good, host_good = [moving[i] for i in good], [host_slots[i] for i in good]
-            dev.set_states(dev_good, S.RESIDENT, busy_delta=-1)
-            host.set_states(host_good, S.DIRTY if self._link is not None else S.RESIDENT, busy_delta=-1)
-            if bad:
-                self._refuse_unencodable([moving[i] for i in bad], [host_slots[i] for i in bad])
-            self.counters.moved("device_to_host", len(dev_good), len(dev_good) * self.fmt.page_bytes)
-            if self._link is not None and self.write_policy.copy_on_commit() and host_good:
-                for slot in host_good:
-                    self._backup_queue.append(slot)
-                self._backup_work.notify()
-            if evicting:
-                self._free_evicted(moving)
-
-        self._submit(ticket, finish)
-        return moving
-
-    def _refuse_unencodable(self, dev_slots: list[int], host_slots: list[int]) -> None:
-        """Pages whose offload could not encode them (NaN or Inf over fp8 storage) leave the
-        cache: the host slot is freed, the device slot is unkeyed (back to FILLING while the
-        engine holds it, else freed). Counted and logged; the engine's own copy is untouched."""
-        dev, host = self._dev, self._host
-        if not self._bad_page_logged:
-            self._bad_page_logged = True
-            log.warning(
-                "%d pages could not be encoded as %s (NaN or Inf in the KV); they are not cached, counted in "
-                "kvtier_dropped_pages{reason=\"not_encodable\"} (first key id %s)",
-                len(dev_slots), self.fmt.dtype, dev.id_of(dev_slots[0]).hex(),
-            )
-        host.unhold_all(host_slots)
-        host.set_states(host_slots, S.FREE)
-        for slot in dev_slots:
-            self._evicting[slot] = 0
-            dev.busy[slot] -= 1
-            if not dev.busy[slot]:
-                dev.busy_slots -= 1
-            dev.table.unbind(slot)
-            dev.set_state(slot, S.FILLING if dev.pins[slot] else S.FREE)
-        self._count_drop("not_encodable", len(dev_slots))
-
-    def _copy_popular(self, dev_slots: list[int]) -> None:
-        """write_through_selective: copy down the dirty pages that just reached enough hits."""
-        dev = self._dev
-        ready = [s for s in dev_slots if dev.state[s] == S.DIRTY and not dev.busy[s] and self.write_policy.copy_on_hit(dev.hits[s])]
-        if ready:
-            self._copy_down(ready, evicting=False)
-
-    def _reload(self, host_slots: list[int], dev_slots: list[int], ids: list[bytes], keyed: list[bool]) -> Ticket:
-        """Copy host pages (held busy by the caller, whose holds the copy takes over) into device
-        slots (FILLING, held by the caller). Keyed targets become LOADING pages of their key
-        until the copy lands; the others stay private copies."""
-        dev, host = self._dev, self._host
-        if all(keyed):
-            landing, private = dev_slots, []
-            dev.bind_all(dev_slots, ids)
-        else:
-            landing = [s for s, b in zip(dev_slots, keyed) if b]
-            private = [s for s, b in zip(dev_slots, keyed) if not b]
-            dev.bind_all(landing, [k for k, b in zip(ids, keyed) if b])
-            dev.hold_all(private)
-        dev.set_states(landing, S.LOADING, busy_delta=1)
-        ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
-        for slot in landing:
-            self._dev_landing[slot] = ticket
-
-        def finish() -> None:
-            dev.set_states(landing, S.RESIDENT, busy_delta=-1)
-            dev.unhold_all(private)
-            host.unhold_all(host_slots)
-            for slot in landing:
-                if self._dev_landing.get(slot) is ticket:
-                    del self._dev_landing[slot]
-            self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
-
-        self._submit(ticket, finish)
-        return ticket
-
-    def _device_copy(self, src: list[int], dst: list[int]) -> Ticket:
-        dev = self._dev
-        dev.hold_all(src, touch=True)
-        dev.hold_all(dst)
-        ticket = self.engine.device_copy(src, dst)
-
-        def finish() -> None:
-            dev.unhold_all(src)
-            dev.unhold_all(dst)
-            self.counters.moved("device_to_device", len(src), len(src) * self.fmt.page_bytes)
-
-        self._submit(ticket, finish)
-        return ticket
-
-    def _submit(self, ticket: Ticket, finish) -> None:
-        if ticket.done():
-            finish()
-        else:
-            self._inflight.append((ticket, finish))
-
-    def _reap(self) -> None:
-        if self._matches:
-            self._apply_matches()
-        if not self._inflight:
-            return
-        inflight, self._inflight = self._inflight, []
-        for ticket, finish in inflight:
-            if ticket.done():
-                finish()
-            else:
-                self._inflight.append((ticket, finish))
 
     # --- input checks ----------------------------------------------------------------------
     def _check_open(self) -> None:
