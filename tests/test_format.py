@@ -116,3 +116,21 @@ def test_unknown_dtype_names_are_refused_with_the_accepted_ones(bad):
     assert repr(bad) in str(err.value)
     with pytest.raises(ValueError, match=r"PageFormat\.device_dtype"):
         small_format(device_dtype=bad if bad is not None else "int4")
+
+
+def test_record_sizes_cached_per_format_never_stale():
+    """page_bytes and the sizes under it are computed once per format object: equality and
+    hashing ignore them, and a format made from another (replace, pickle) has its own."""
+    import dataclasses
+    import pickle
+
+    f = PageFormat(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype="fp8_e4m3", scale="per_token_head")
+    g = PageFormat(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype="fp8_e4m3", scale="per_token_head")
+    first = (f.plane_data_bytes, f.data_bytes, f.scale_bytes, f.page_bytes)
+    assert f.page_bytes == f.data_bytes + f.scale_bytes and f.data_bytes == 3 * 2 * f.plane_data_bytes
+    assert f == g and hash(f) == hash(g) and f.fingerprint == g.fingerprint
+    wider = dataclasses.replace(f, num_layers=6)
+    assert wider.data_bytes == 2 * first[1] and wider.page_bytes != first[3]
+    assert wider.fingerprint != f.fingerprint
+    copy = pickle.loads(pickle.dumps(f))
+    assert copy == f and (copy.plane_data_bytes, copy.data_bytes, copy.scale_bytes, copy.page_bytes) == first

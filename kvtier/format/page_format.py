@@ -22,6 +22,7 @@ is fp8 and the format has scales.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -155,6 +156,8 @@ class PageFormat:
         object.__setattr__(self, "planes", 1 if self.mla else 2)
 
     # --- sizes -------------------------------------------------------------------------
+    # The record sizes are computed once per format (the fields are frozen): the pool and the
+    # engines read page_bytes on every transfer.
     @property
     def elem_bytes(self) -> int:
         return DTYPES[self.dtype].itemsize
@@ -209,7 +212,7 @@ class PageFormat:
     def scales_per_plane(self) -> int:
         return 0 if self.scale == "none" else math.prod(self.scale_shape)
 
-    @property
+    @functools.cached_property
     def plane_data_bytes(self) -> int:
         """Bytes of one (layer, plane) in storage dtype, padded so every plane starts aligned."""
         return _align(self.plane_elems * self.elem_bytes)
@@ -218,15 +221,15 @@ class PageFormat:
     def plane_scale_bytes(self) -> int:
         return self.scales_per_plane * SCALE_BYTES
 
-    @property
+    @functools.cached_property
     def data_bytes(self) -> int:
         return self.num_layers * self.planes * self.plane_data_bytes
 
-    @property
+    @functools.cached_property
     def scale_bytes(self) -> int:
         return _align(self.num_layers * self.planes * self.plane_scale_bytes)
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one page record in the host and remote tiers: data, then scales."""
         return self.data_bytes + self.scale_bytes
