@@ -136,8 +136,11 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
         new_pages = pool.allocate(batch)
 
         def table_of(slots: list[int]) -> torch.Tensor:
+            # As an engine writes its page table: from pinned memory, without waiting for the
+            # device (a copy from pageable memory would wait for every kernel queued before it).
             rows = [slots[i * per_seq : (i + 1) * per_seq] + [new_pages[i]] for i in range(batch)]
-            return torch.tensor(rows, dtype=torch.int32, device=kv.device)
+            host = torch.tensor(rows, dtype=torch.int32)
+            return (host.pin_memory() if cuda else host).to(kv.device, non_blocking=True)
 
         def timed(fn) -> float:
             sync(cuda)

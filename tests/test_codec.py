@@ -65,6 +65,23 @@ def test_non_finite_input_raises(bad):
         quantize(x, "fp8_e4m3", "per_page_head", "nhd")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_unchecked_non_finite_input_reads_back_as_nan_never_a_finite_value(bad):
+    """check_finite=False (a forward pass writing its own pages, no device sync): the bad
+    element reads back as NaN; every other group keeps its exact round trip."""
+    x = torch.randn(2, 8, 2, 16)
+    x[0, 3, 1, 5] = bad
+    q, s = quantize(x, "fp8_e4m3", "per_page_head", "nhd", check_finite=False)
+    back = dequantize(q, s, "per_page_head", "nhd", torch.float32)
+    assert torch.isnan(back[0, 3, 1, 5])
+    good = torch.ones_like(x, dtype=torch.bool)
+    good[0, :, 1, :] = False  # the bad element's (page, head) group
+    x_good = x.clone()
+    x_good[0, :, 1, :] = 1.0
+    q_ref, s_ref = quantize(x_good, "fp8_e4m3", "per_page_head", "nhd")
+    assert torch.equal(back[good], dequantize(q_ref, s_ref, "per_page_head", "nhd", torch.float32)[good])
+
+
 def test_bad_arguments_raise():
     x = torch.randn(2, 8, 2, 16)
     with pytest.raises(ValueError, match="fp8 dtype"):

@@ -116,7 +116,9 @@ class PagedKV:
             if fmt.dtype not in FP8_DTYPES:
                 pages.index_copy_(0, slots, vals.to(pages.dtype))
                 continue
-            q, s = quantize(vals, fmt.dtype, fmt.scale, fmt.layout)
+            # No finiteness check (a device sync per call, twice a layer): these are the model's
+            # own values, and a NaN or Inf among them reads back as NaN, visible in its outputs.
+            q, s = quantize(vals, fmt.dtype, fmt.scale, fmt.layout, check_finite=False)
             if fmt.converts:
                 pages.index_copy_(0, slots, dequantize(q, s, fmt.scale, fmt.layout, pages.dtype))
             else:
@@ -181,8 +183,10 @@ class TinyDecoder:
         self._cos = self._sin = torch.empty(0)
 
     # --- pieces ---------------------------------------------------------------------------
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+    def _rope_tables(self, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `positions`, every one below `bound` (known on the host, so sizing the
+        tables never reads the positions back: no device sync inside a forward pass)."""
+        need = bound
         if self._cos.shape[0] < need:
             size = max(need, 2 * self._cos.shape[0], 1024)
             angles = torch.arange(size, dtype=torch.float64)[:, None] * self._inv_freq[None, :]
@@ -201,11 +205,11 @@ class TinyDecoder:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * weight
 
-    def _qkv(self, layer: dict, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, layer: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         c = self.config
         qkv = self._rms_norm(x, layer["attn_norm"]) @ layer["qkv"].T
         q, k, v = qkv.split([c.q_heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], dim=-1)
-        cos, sin = self._rope_tables(positions)
+        cos, sin = rope
         q = self._rope(q.reshape(-1, c.q_heads, c.head_dim), cos, sin)
         k = self._rope(k.reshape(-1, c.kv_heads, c.head_dim), cos, sin)
         return q, k, v.reshape(-1, c.kv_heads, c.head_dim)
@@ -251,8 +255,9 @@ class TinyDecoder:
             mask = key_pos[None, :] <= positions[:, None]
         x = self.embed[tokens]
         tail.zero_()
+        rope = self._rope_tables(positions, end)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, rope)
             padded = torch.zeros((2, pages * page, c.kv_heads, c.head_dim), dtype=torch.bfloat16, device=self.device)
             padded[0, :n], padded[1, :n] = k, v
             padded = padded.view(2, pages, page, c.kv_heads, c.head_dim)
@@ -293,8 +298,10 @@ class TinyDecoder:
         seq_lens = (positions + 1).to(torch.int32)
         index = torch.arange(batch, device=self.device)
         x = self.embed[tokens]
+        # Positions lie below the page table's reach: the rope tables are sized from that.
+        rope = self._rope_tables(positions, page_table.shape[1] * page)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, rope)
             tails[i, 0, index, rows] = k
             tails[i, 1, index, rows] = v
             kv.write_pages(i, slots, tails[i, 0], tails[i, 1])

@@ -231,15 +231,23 @@ class DecodeRunner:
             if not active:
                 return
             seqs = [wave[i] for i in active]
+            n = len(seqs)
             max_pages = max(len(seq.slots) for seq in seqs)
-            table = torch.full((len(seqs), max_pages), -1, dtype=torch.int32)
-            for row, seq in enumerate(seqs):
-                table[row, : len(seq.slots)] = torch.as_tensor(seq.slots, dtype=torch.int32)
-            tokens = torch.as_tensor([seq.tokens[-1] for seq in seqs], dtype=torch.int64, device=device)
-            positions = torch.as_tensor([len(seq.tokens) - 1 for seq in seqs], dtype=torch.int64, device=device)
-            index = torch.as_tensor(active, device=device)
+            # The step's integers (tokens, positions, rows of the wave, page table) go to the
+            # device in one copy from pinned memory, which never waits for the device: a copy
+            # from pageable memory would wait for every kernel queued before it.
+            ints = [seq.tokens[-1] for seq in seqs] + [len(seq.tokens) - 1 for seq in seqs] + active
+            for seq in seqs:
+                ints += seq.slots
+                ints += [-1] * (max_pages - len(seq.slots))
+            ints = torch.tensor(ints, dtype=torch.int64)
+            if self._cuda:
+                ints = ints.pin_memory()
+            ints = ints.to(device, non_blocking=True)
+            tokens, positions, index = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
+            table = ints[3 * n :].view(n, max_pages).to(torch.int32)
             sub = tails.index_select(2, index)
-            logits = self.model.decode(self.kv, tokens, positions, table.to(device), sub)
+            logits = self.model.decode(self.kv, tokens, positions, table, sub)
             tails.index_copy_(2, index, sub)
             for row, (seq, token) in enumerate(zip(seqs, logits.argmax(-1).tolist())):
                 self._take(seq, token, logits[row])
