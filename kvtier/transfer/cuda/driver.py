@@ -4,9 +4,9 @@ Owns calling cuLaunchKernel (with a prepacked parameter block), cuStreamWaitValu
 cuStreamWaitEvent, cuEventRecord, cuStreamQuery and event creation, and turning their error
 codes into exceptions that name the call and its arguments. These are the calls a transfer
 makes on the host's critical path: the four made per transfer (launch, the two waits, event
-record) go straight to libcuda through ctypes with integer handles, about 1 µs a call, where
-cuda.bindings' wrappers cost 5-13 µs a call on the H200's host (BENCHMARKS.md); the rest, and
-every call where libcuda cannot be opened by name, go through cuda.bindings.
+record) go straight to libcuda through ctypes with integer handles, which took 5-40 µs off the
+engine's submit on the H200's host against cuda.bindings' wrappers (BENCHMARKS.md); the rest,
+and every call where libcuda cannot be opened by name, go through cuda.bindings.
 A thread that has not touched this device yet has no current CUDA context; the call is then
 retried once inside torch.cuda.device(...), which binds the device's primary context.
 It must never decide what to launch or wait on.
