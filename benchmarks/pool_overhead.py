@@ -126,6 +126,7 @@ def _fill(pool, host_pages: int, device_pages: int, chunk: int = 8192) -> list:
     """Commit host_pages distinct pages (write-through: each lands in the host tier), then keep
     the last device_pages resident on the device: both tiers full. Returns the keys."""
     keys = _keys(pool, host_pages, seed=1)
+    chunk = min(chunk, device_pages)  # each chunk is allocated on the device at once
     for start in range(0, host_pages, chunk):
         part = keys[start : start + chunk]
         slots = pool.allocate(len(part))
@@ -192,7 +193,9 @@ def section_full(args) -> dict:
             samples["evict"].append(time.perf_counter() - t)
         for op, values in samples.items():
             us = _median_us(values)
-            rows[f"{op}/{batch}"] = {"us_per_call": us, "us_per_page": us / batch, "target_us": 5 * batch + 30}
+            # commit+copy times the write-through copy's own work too: measured, not a target.
+            target = None if op == "commit+copy" else 5 * batch + 30
+            rows[f"{op}/{batch}"] = {"us_per_call": us, "us_per_page": us / batch, "target_us": target}
     flush = []
     stats = []
     scrape = []
@@ -218,6 +221,10 @@ def section_full(args) -> dict:
     if fast:
         rows["scrape (exposition)"] = {"us_per_call": _median_us(fast), "target_us": 200}
     for name, row in rows.items():
+        if row["target_us"] is None:
+            per_page = f"{row['us_per_page']:>9.2f}"
+            print(f"  {name:<24}{row['us_per_call']:>11.1f} µs {per_page} µs/page   (no target)")
+            continue
         verdict = "ok" if row["us_per_call"] <= row["target_us"] else "MISS"
         per_page = f"{row['us_per_page']:>9.2f}" if "us_per_page" in row else " " * 9
         print(f"  {name:<24}{row['us_per_call']:>11.1f} µs {per_page} µs/page   target {row['target_us']:>6.0f} µs  {verdict}")
