@@ -63,6 +63,21 @@ def poison(pool, slots) -> None:
             dev.scale_plane(layer, plane)[idx] = float("nan")
 
 
+def cpu_lane(num_layers: int):
+    """A CUDA engine's StreamLane over CPU tensors: flags and counters a test (or a CPU emulation
+    of the copy kernels) raises itself, and slot buffers in ordinary memory."""
+    from kvtier.transfer.cuda.tickets import StreamLane
+
+    flags = torch.zeros(32, dtype=torch.int32)
+    counters = torch.zeros(num_layers + 1, dtype=torch.int32)
+
+    def pinned(capacity):
+        tensor = torch.zeros((3, capacity), dtype=torch.int32)
+        return tensor, tensor.data_ptr()
+
+    return StreamLane(None, num_layers, flags, flags.data_ptr(), counters, pinned, None)
+
+
 @pytest.fixture
 def registry():
     return CollectorRegistry()

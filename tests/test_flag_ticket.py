@@ -14,19 +14,13 @@ import torch
 
 from kvtier.transfer.cuda import tickets
 from kvtier.transfer.cuda.tickets import FlagTicket, StreamLane
+from tests.conftest import cpu_lane
 
 LAYERS = 4
 
 
 def _lane() -> StreamLane:
-    flags = torch.zeros(32, dtype=torch.int32)
-    counters = torch.zeros(LAYERS + 1, dtype=torch.int32)
-
-    def pinned(capacity):
-        tensor = torch.zeros((3, capacity), dtype=torch.int32)
-        return tensor, tensor.data_ptr()
-
-    return StreamLane(None, LAYERS, flags, flags.data_ptr(), counters, pinned, None)
+    return cpu_lane(LAYERS)
 
 
 def _ticket(lane: StreamLane, nbytes: int) -> FlagTicket:

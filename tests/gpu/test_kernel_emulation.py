@@ -36,6 +36,7 @@ from kvtier.transfer import TorchEngine, native
 from kvtier.transfer.cuda import plans
 from kvtier.transfer.cuda.kernel_path import KernelPath
 from kvtier.transfer.cuda.tickets import FlagTicket, StreamLane
+from tests.conftest import cpu_lane
 from tests.gpu.random_tiers import fill_random
 
 CXX = shutil.which("g++") or shutil.which("clang++")
@@ -248,15 +249,7 @@ class Emulated:
         self.order: list[int] = []
 
     def lane(self) -> StreamLane:
-        layers = self.fmt.num_layers
-        flags = torch.zeros(32, dtype=torch.int32)
-        counters = torch.zeros(layers + 1, dtype=torch.int32)
-
-        def pinned(capacity):
-            tensor = torch.zeros((3, capacity), dtype=torch.int32)
-            return tensor, tensor.data_ptr()
-
-        return StreamLane(None, layers, flags, flags.data_ptr(), counters, pinned, None)
+        return cpu_lane(self.fmt.num_layers)
 
     def launch(self, launch, blocks: int, lane: StreamLane) -> None:
         at = launch.index
