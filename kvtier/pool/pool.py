@@ -32,6 +32,7 @@ It must never touch page bytes itself, nor hold its lock while it waits.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import threading
@@ -349,8 +350,8 @@ class TieredPool(Movement, TierRoom):
         start = time.perf_counter()
         ids = key_ids(keys)
         self._check_open()
-        on_device, on_host, total = self._walk(ids, 0)
-        remote = failed = 0
+        on_device, on_host, remote, total = self._walk(ids, 0)
+        failed = 0
         if self.remote is not None and total < len(ids):
             rest = ids[total:]
             try:
@@ -359,17 +360,10 @@ class TieredPool(Movement, TierRoom):
                 log.warning("remote index lookup of %d pages failed: %r", len(rest), exc)
                 in_remote = [False] * len(rest)
                 failed = len(rest)
-            dtable, htable = self._dev.table, self._host.table
-            for kid, remote_has in zip(rest, in_remote):
-                if kid in dtable:
-                    on_device += 1
-                elif kid in htable:
-                    on_host += 1
-                elif remote_has:
-                    remote += 1
-                else:
-                    break
-                total += 1
+            # Local tables again past the first local miss: pages may have arrived meanwhile.
+            more_device, more_host, remote, total = self._walk(ids, total, in_remote)
+            on_device += more_device
+            on_host += more_host
         seen = (ids, on_device, on_host, remote, total, failed, start)
         if self._lock.acquire(blocking=False):
             try:
@@ -404,20 +398,23 @@ class TieredPool(Movement, TierRoom):
             seen, ended = matches.popleft()
             self._apply_match(seen, ended)
 
-    def _walk(self, ids: list[bytes], start: int) -> tuple[int, int, int]:
-        """(device, host, end) over the leading ids from `start` held by the device or host."""
+    def _walk(self, ids: list[bytes], start: int, in_remote=None) -> tuple[int, int, int, int]:
+        """(device, host, remote, end) over the leading ids from `start` held by the device, the
+        host or (where `in_remote`, one flag per id from `start`, says so) the remote tier."""
         dtable, htable = self._dev.table, self._host.table
-        d = h = 0
+        d = h = r = 0
         end = start
-        for kid in ids[start:]:
+        for kid, remote_has in zip(ids[start:], itertools.repeat(False) if in_remote is None else in_remote):
             if kid in dtable:
                 d += 1
             elif kid in htable:
                 h += 1
+            elif remote_has:
+                r += 1
             else:
                 break
             end += 1
-        return d, h, end
+        return d, h, r, end
 
     def _touch_prefix(self, ids: list[bytes]) -> None:
         """Count a use of the leading device keys and the leading host keys (LRU, write policy)."""
