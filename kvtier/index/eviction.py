@@ -4,7 +4,7 @@ Owns the order of evictable slots only. The index tells a policy when a slot bec
 evictable (`add`), stops being evictable (`remove`) and is used (`touch`); the policy
 never decides whether a slot may be evicted. Every method is O(1) per slot and `victims(n)`
 reads at most n entries, whatever the tier's size. New policies (ARC, S3-FIFO) implement the
-same five methods.
+same five methods (the batch forms `add_many`, `remove_many`, `touch_many` default to loops).
 """
 
 from __future__ import annotations
@@ -30,6 +30,21 @@ class EvictionPolicy(ABC):
     def touch(self, slot: int) -> None:
         """`slot` was used; it may or may not be evictable now."""
 
+    def add_many(self, slots: list[int]) -> None:
+        """`add` of each slot, in order."""
+        for slot in slots:
+            self.add(slot)
+
+    def remove_many(self, slots: list[int]) -> None:
+        """`remove` of each slot."""
+        for slot in slots:
+            self.remove(slot)
+
+    def touch_many(self, slots: list[int]) -> None:
+        """`touch` of each slot, in order."""
+        for slot in slots:
+            self.touch(slot)
+
     @abstractmethod
     def victims(self, n: int) -> list[int]:
         """Up to n evictable slots, first victim first."""
@@ -52,6 +67,11 @@ class LRUPolicy(SlotList, EvictionPolicy):
     remove = SlotList.discard
     touch = SlotList.move_to_end
     victims = SlotList.first
+    add_many = SlotList.extend
+    remove_many = SlotList.discard_many
+
+    def touch_many(self, slots: list[int]) -> None:
+        self.extend([slot for slot in slots if self._member[slot]])
 
 
 POLICIES = {"lru": LRUPolicy}

@@ -16,10 +16,17 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from kvtier.index.keys import KEY_ID_BYTES
 
 _EMPTY = -1
 _W = KEY_ID_BYTES
+# Batches at least this long are looked up with numpy (`get_many`): a probe step costs tens of
+# µs of numpy calls whatever the batch, a Python probe 0.3-1 µs a key (more as the batch's
+# buckets leave the CPU caches). Measured on a 2-core VM: even at 256-512 keys, 3-4x faster at 4096.
+MANY = 512
+PROBE_TAIL = 64  # ids still probing after a numpy step, fewer than this: one by one
 
 
 class KeyTable:
@@ -35,6 +42,9 @@ class KeyTable:
         self._bucket_of = array("i", [_EMPTY]) * capacity  # -1: the slot holds no key
         self._home = array("i", [0]) * capacity
         self._len = 0
+        # numpy views of the same memory (no copy) for `get_many`.
+        self._np_buckets = np.frombuffer(self._buckets, dtype=np.int32)
+        self._np_ids = np.frombuffer(self._ids, dtype=np.uint64).reshape(capacity, 2)
 
     def __len__(self) -> int:
         return self._len
@@ -51,6 +61,36 @@ class KeyTable:
             if view[at : at + _W] == kid:
                 return slot
             b = (b + 1) & mask
+
+    def get_many(self, kids: list[bytes]) -> list[int]:
+        """`get` of each id, in order: the same probes, every id's step at once in numpy."""
+        n = len(kids)
+        if n < MANY:
+            get = self.get
+            return [get(kid) for kid in kids]
+        mask = self._mask
+        buckets, ids = self._np_buckets, self._np_ids
+        bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
+        wanted = np.frombuffer(b"".join(kids), dtype=np.uint64).reshape(n, 2)
+        want_lo, want_hi = wanted[:, 0], wanted[:, 1]
+        out = np.full(n, _EMPTY, dtype=np.int64)
+        pending = np.arange(n)
+        # One probe step of every id still probing at a time; at most half the buckets are
+        # taken, so few ids take more than a step or two, and the last few go one by one.
+        while pending.size >= PROBE_TAIL:
+            slot = buckets[bucket]
+            keyed = slot >= 0
+            at = ids[np.where(keyed, slot, 0)]
+            found = keyed & (at[:, 0] == want_lo) & (at[:, 1] == want_hi)
+            out[pending[found]] = slot[found]
+            go_on = keyed & ~found
+            pending, bucket = pending[go_on], (bucket[go_on] + 1) & mask
+            want_lo, want_hi = want_lo[go_on], want_hi[go_on]
+        result = out.tolist()
+        get = self.get
+        for i in pending.tolist():
+            result[i] = get(kids[i])
+        return result
 
     def __contains__(self, kid: bytes) -> bool:
         return self.get(kid) >= 0
@@ -141,6 +181,10 @@ class DictKeyTable:
         self._map = _SlotsByKey()
         self._ids: list[bytes | None] = [None] * capacity
         self.get = self._map.__getitem__  # kid -> slot or -1
+
+    def get_many(self, kids: list[bytes]) -> list[int]:
+        """`get` of each id, in order."""
+        return list(map(self._map.__getitem__, kids))
 
     def __len__(self) -> int:
         return len(self._map)

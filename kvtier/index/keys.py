@@ -59,31 +59,66 @@ def key_id(key: str | bytes) -> bytes:
     raise TypeError(f"a key must be str or bytes, got {type(key).__name__} {_describe(key)}")
 
 
+# Ids of recently seen keys, in two generations: an engine asks about the same keys again and
+# again (a `match`, then a `load` of its prefix, then a `load` every step), and a dict lookup
+# costs a tenth of a BLAKE2b call. A key reaches the young generation when hashed or found in
+# the old one; a full young generation becomes the old one, so between GENERATION and twice that
+# many recent keys stay known, and nothing else. A key id is a pure function of the key (a str
+# and a bytes object are never equal as dict keys), so a race between threads can only drop an
+# entry, never give a wrong id.
+ID_CACHE_GENERATION = 1 << 15
+_young: dict = {}
+_old: dict = {}
+
+
+def clear_id_cache() -> None:
+    """Forget every cached key id."""
+    global _young, _old
+    _young, _old = {}, {}
+
+
 def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
     """Ids of a batch of keys, in order. Checks every key before returning anything.
 
     Raises TypeError / ValueError naming the first bad key and its position.
     """
+    global _young, _old
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
     out = []
     append = out.append
     str_id, bytes_id = _STR_ID, _BYTES_ID
+    young, old = _young, _old
+    young_get, old_get = young.get, old.get
     for i, key in enumerate(keys):
-        # The common cases inline: a batch of thousands of keys is hashed on every call.
-        if type(key) is bytes and key:
-            h = bytes_id.copy()
-            h.update(key)
-        elif type(key) is str and key:
-            h = str_id.copy()
-            h.update(key.encode("utf-8", "surrogatepass"))
-        else:
-            try:
-                append(key_id(key))
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"key {i}: {exc}") from None
+        kind = type(key)
+        # The common cases inline: a batch of thousands of keys is looked up on every call.
+        if (kind is bytes or kind is str) and key:
+            kid = young_get(key)
+            if kid is not None:
+                append(kid)
+                continue
+            kid = old_get(key)
+            if kid is None:
+                if kind is bytes:
+                    h = bytes_id.copy()
+                    h.update(key)
+                else:
+                    h = str_id.copy()
+                    h.update(key.encode("utf-8", "surrogatepass"))
+                kid = h.digest()
+            young[key] = kid
+            append(kid)
+            if len(young) >= ID_CACHE_GENERATION:
+                if young is _young:  # else another thread turned it over already
+                    _young, _old = {}, young
+                young, old = _young, _old
+                young_get, old_get = young.get, old.get
             continue
-        append(h.digest())
+        try:
+            append(key_id(key))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"key {i}: {exc}") from None
     return out
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from kvtier.index.eviction import EvictionPolicy
 from kvtier.index.key_table import DictKeyTable, KeyTable
-from kvtier.index.slot_list import SlotList
+from kvtier.index.slot_list import BULK, SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
 S = PageState
@@ -89,8 +89,11 @@ class TierIndex:
         # Three loops, one per kind of change, each as short as it can be: this loop runs for
         # every page of every call. A slot is in the eviction order exactly when its state is
         # evictable and it is neither pinned nor busy.
+        # A long batch hands its eviction-order changes over in one call at the end (numpy).
+        adds, removes = ([], []) if len(slots) >= BULK else (None, None)
         if new == _FREE:
-            unbind, hits, free, remove = self.table.unbind, self.hits, self.free, self.policy.remove
+            unbind, hits, free = self.table.unbind, self.hits, self.free
+            remove = self.policy.remove if removes is None else removes.append
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -110,7 +113,7 @@ class TierIndex:
                 free.append(slot)
                 count += 1
         elif not busy_delta:
-            add, remove = self.policy.add, self.policy.remove
+            add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -128,7 +131,7 @@ class TierIndex:
                     else:
                         remove(slot)
         else:
-            add, remove = self.policy.add, self.policy.remove
+            add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -153,6 +156,10 @@ class TierIndex:
                     if evictable and not pins[slot]:
                         add(slot)
         counts[new] += count
+        if removes:  # each loop above only adds or only removes
+            self.policy.remove_many(removes)
+        if adds:
+            self.policy.add_many(adds)
 
     def _refresh(self, slot: int) -> None:
         if _EVICTABLE[self.state[slot]] and not self.pins[slot] and not self.busy[slot]:
@@ -251,7 +258,8 @@ class TierIndex:
         """Drop one engine hold on each slot (every one must be held); returns the slots left
         unheld in FILLING and idle, which the caller frees."""
         pins, state, busy = self.pins, self.state, self.busy
-        evictable, add = _EVICTABLE, self.policy.add
+        adds = [] if len(slots) >= BULK else None
+        evictable, add = _EVICTABLE, self.policy.add if adds is None else adds.append
         filling = int(S.FILLING)
         idle_filling = []
         for slot in slots:
@@ -269,6 +277,8 @@ class TierIndex:
                 add(slot)
             elif st == filling:
                 idle_filling.append(slot)
+        if adds:
+            self.policy.add_many(adds)
         return idle_filling
 
     def unpin(self, slot: int) -> None:
@@ -281,7 +291,9 @@ class TierIndex:
 
     def hold_all(self, slots: Iterable[int], touch: bool = False) -> None:
         """A copy starts reading or writing each slot: none is evicted until `unhold_all`."""
-        busy, hits, remove = self.busy, self.hits, self.policy.remove
+        busy, hits = self.busy, self.hits
+        removes = [] if len(slots) >= BULK else None
+        remove = self.policy.remove if removes is None else removes.append
         for slot in slots:
             if not busy[slot]:
                 self.busy_slots += 1
@@ -289,10 +301,13 @@ class TierIndex:
             remove(slot)
             if touch and hits[slot] < _HITS_MAX:
                 hits[slot] += 1
+        if removes:
+            self.policy.remove_many(removes)
 
     def unhold_all(self, slots: Iterable[int]) -> None:
-        busy, pins, state, add = self.busy, self.pins, self.state, self.policy.add
-        evictable = _EVICTABLE
+        busy, pins, state = self.busy, self.pins, self.state
+        adds = [] if len(slots) >= BULK else None
+        evictable, add = _EVICTABLE, self.policy.add if adds is None else adds.append
         for slot in slots:
             left = busy[slot] - 1
             assert left >= 0, f"{self.name} slot {slot} has no copy in flight"
@@ -301,11 +316,21 @@ class TierIndex:
                 self.busy_slots -= 1
                 if not pins[slot] and evictable[state[slot]]:
                     add(slot)
+        if adds:
+            self.policy.add_many(adds)
 
     def touch(self, slot: int) -> None:
         if self.hits[slot] < _HITS_MAX:
             self.hits[slot] += 1
         self.policy.touch(slot)
+
+    def touch_all(self, slots: list[int]) -> None:
+        """`touch` of each slot, in order."""
+        hits = self.hits
+        for slot in slots:
+            if hits[slot] < _HITS_MAX:
+                hits[slot] += 1
+        self.policy.touch_many(slots)
 
     def victims(self, n: int) -> list[int]:
         """Up to n evictable slots, first victim first (reads at most n entries)."""

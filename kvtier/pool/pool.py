@@ -32,7 +32,6 @@ It must never touch page bytes itself, nor hold its lock while it waits.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import threading
@@ -306,14 +305,13 @@ class TieredPool(Movement, TierRoom):
             dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
-            dget, hget, hstate = dev.table.get, host.table.get, host.state
+            hstate = host.state
             fresh_ids, fresh_slots, clean, dirty, absent_slots, absent_ids = [], [], [], [], [], []
-            for kid, slot in zip(ids, slots):
-                if dget(kid) >= 0:
-                    continue
-                fresh_ids.append(kid)
-                fresh_slots.append(slot)
-                h = hget(kid)
+            for kid, slot, d in zip(ids, slots, dev.table.get_many(ids)):
+                if d < 0:
+                    fresh_ids.append(kid)
+                    fresh_slots.append(slot)
+            for kid, slot, h in zip(fresh_ids, fresh_slots, host.table.get_many(fresh_ids)):
                 if h < 0:
                     dirty.append(slot)
                     absent_slots.append(slot)
@@ -400,38 +398,53 @@ class TieredPool(Movement, TierRoom):
 
     def _walk(self, ids: list[bytes], start: int, in_remote=None) -> tuple[int, int, int, int]:
         """(device, host, remote, end) over the leading ids from `start` held by the device, the
-        host or (where `in_remote`, one flag per id from `start`, says so) the remote tier."""
-        dtable, htable = self._dev.table, self._host.table
+        host or (where `in_remote`, one flag per id from `start`, says so) the remote tier.
+        Looked up in chunks growing from _FIRST_CHUNK, so a long list with a short prefix costs
+        about its prefix, and long prefixes are looked up a chunk at a time (`get_many`)."""
+        dget_many, hget_many = self._dev.table.get_many, self._host.table.get_many
         d = h = r = 0
-        end = start
-        for kid, remote_has in zip(ids[start:], itertools.repeat(False) if in_remote is None else in_remote):
-            if kid in dtable:
-                d += 1
-            elif kid in htable:
-                h += 1
-            elif remote_has:
-                r += 1
-            else:
-                break
-            end += 1
-        return d, h, r, end
+        pos, chunk = start, _FIRST_CHUNK
+        while pos < len(ids):
+            part = ids[pos : pos + chunk]
+            chunk *= _CHUNK_GROWTH
+            dslots = dget_many(part)
+            off_device = [i for i, slot in enumerate(dslots) if slot < 0]
+            hslots = dict(zip(off_device, hget_many([part[i] for i in off_device]))) if off_device else {}
+            for i, slot in enumerate(dslots):
+                if slot >= 0:
+                    d += 1
+                elif hslots[i] >= 0:
+                    h += 1
+                elif in_remote is not None and in_remote[pos + i - start]:
+                    r += 1
+                else:
+                    return d, h, r, pos + i
+            pos += len(part)
+        return d, h, r, pos
+
+    @staticmethod
+    def _prefix_slots(index, ids: list[bytes]) -> list[int]:
+        """The slots of the leading ids `index` holds (chunks growing from _FIRST_CHUNK)."""
+        out: list[int] = []
+        get_many = index.table.get_many
+        pos, chunk = 0, _FIRST_CHUNK
+        while pos < len(ids):
+            slots = get_many(ids[pos : pos + chunk])
+            chunk *= _CHUNK_GROWTH
+            if -1 in slots:
+                out += slots[: slots.index(-1)]
+                return out
+            out += slots
+            pos += len(slots)
+        return out
 
     def _touch_prefix(self, ids: list[bytes]) -> None:
         """Count a use of the leading device keys and the leading host keys (LRU, write policy)."""
         dev, host = self._dev, self._host
-        touched_dev, touched_host = [], []
-        for kid in ids:
-            slot = dev.lookup(kid)
-            if slot < 0:
-                break
-            dev.touch(slot)
-            touched_dev.append(slot)
-        for kid in ids:
-            slot = host.lookup(kid)
-            if slot < 0:
-                break
-            host.touch(slot)
-            touched_host.append(slot)
+        touched_dev = self._prefix_slots(dev, ids)
+        touched_host = self._prefix_slots(host, ids)
+        dev.touch_all(touched_dev)
+        host.touch_all(touched_host)
         self._copy_popular(touched_dev)
         self._backup_popular(touched_host)
 
@@ -501,7 +514,7 @@ class TieredPool(Movement, TierRoom):
         at once and their slots are freed when their copies land.
         """
         dev, host, engine = self._dev, self._host, self.engine
-        dget, hget, hstate = dev.table.get, host.table.get, host.state
+        dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
         landing = self._dev_landing
         out = [-1] * len(ids)
         pinned: list[int] = []  # device pages held where they are
@@ -512,22 +525,21 @@ class TieredPool(Movement, TierRoom):
             end = min(pos + chunk, len(ids))
             chunk *= _CHUNK_GROWTH
             srcs, src_ids, src_pos = [], [], []
-            for i in range(pos, end):
-                kid = ids[i]
-                slot = dget(kid)
+            for i, slot in enumerate(dget_many(ids[pos:end]), pos):
                 if slot >= 0:
                     dev.pin(slot)
                     dev.touch(slot)
                     pinned.append(slot)
                     out[i] = slot
-                    continue
-                slot = hget(kid)
-                if slot < 0 or not _READABLE[hstate[slot]]:
-                    self._cancel_load_now(pinned, started)
-                    return None
-                srcs.append(slot)
-                src_ids.append(kid)
-                src_pos.append(i)
+                else:
+                    src_ids.append(ids[i])
+                    src_pos.append(i)
+            if src_ids:
+                srcs = hget_many(src_ids)
+                for slot in srcs:
+                    if slot < 0 or not _READABLE[hstate[slot]]:
+                        self._cancel_load_now(pinned, started)
+                        return None
             pos = end
             n = len(srcs)
             if not n:
@@ -748,7 +760,7 @@ class TieredPool(Movement, TierRoom):
             self._reap()
             index = self._dev if tier == "device" else self._host
             if ids is not None:
-                victims = [s for s in (index.lookup(k) for k in ids) if s >= 0 and index.evictable(s)]
+                victims = [s for s in index.table.get_many(ids) if s >= 0 and index.evictable(s)]
                 victims = victims[:n] if n is not None else victims
             else:
                 victims = index.victims(index.capacity if n is None else n)

@@ -1,0 +1,206 @@
+"""The index's batch paths: the key-id cache, numpy lookups (KeyTable.get_many) and numpy
+linking (SlotList.extend / discard_many) give exactly what the one-at-a-time paths give."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import kvtier.index.key_table as key_table
+import kvtier.index.keys as keys_mod
+import kvtier.index.slot_list as slot_list
+from kvtier import TieredPool, key_id, prefix_keys
+from kvtier.index.key_table import KeyTable
+from kvtier.index.slot_list import SlotList
+from tests.conftest import fill_random, small_format, snapshot
+
+
+@pytest.fixture
+def numpy_always(monkeypatch):
+    """Every batch, however short, takes the numpy path."""
+    monkeypatch.setattr(key_table, "MANY", 1)
+    monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
+    monkeypatch.setattr(slot_list, "BULK", 1)
+
+
+# --- key ids -------------------------------------------------------------------------------
+def test_cached_ids_are_the_ids(monkeypatch):
+    monkeypatch.setattr(keys_mod, "ID_CACHE_GENERATION", 64)
+    keys_mod.clear_id_cache()
+    rng = random.Random(3)
+    pool = [os.urandom(rng.randint(1, 40)) for _ in range(300)] + [f"k{i}" for i in range(300)]
+    for _ in range(20):
+        batch = rng.sample(pool, 50)
+        assert keys_mod.key_ids(batch) == [key_id(k) for k in batch]
+        # Between one and two generations of keys are remembered, never more.
+        assert len(keys_mod._young) < 64 and len(keys_mod._old) <= 64
+
+
+def test_a_cached_str_key_and_its_bytes_keep_two_ids():
+    keys_mod.clear_id_cache()
+    first = keys_mod.key_ids(["abc", b"abc"])
+    again = keys_mod.key_ids([b"abc", "abc"])
+    assert first[0] != first[1]
+    assert again == [first[1], first[0]]
+    assert first == [key_id("abc"), key_id(b"abc")]
+
+
+def test_a_bad_key_after_cached_ones_is_named():
+    good = [os.urandom(32) for _ in range(5)]
+    keys_mod.key_ids(good)
+    with pytest.raises(TypeError, match="key 5"):
+        keys_mod.key_ids(good + [7])
+    with pytest.raises(ValueError, match="key 2"):
+        keys_mod.key_ids(good[:2] + [b""])
+
+
+def test_threads_turning_the_cache_over_never_see_a_wrong_id(monkeypatch):
+    monkeypatch.setattr(keys_mod, "ID_CACHE_GENERATION", 16)
+    keys_mod.clear_id_cache()
+    shared = [os.urandom(32) for _ in range(200)]
+    truth = {k: key_id(k) for k in shared}
+    errors = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(300):
+            batch = rng.sample(shared, rng.randint(1, 40))
+            got = keys_mod.key_ids(batch)
+            if got != [truth[k] for k in batch]:
+                errors.append(seed)
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert len(keys_mod._young) < 16 and len(keys_mod._old) <= 16
+
+
+# --- KeyTable.get_many -----------------------------------------------------------------------
+@pytest.mark.parametrize("fill", [0.1, 0.5, 1.0])
+def test_get_many_finds_what_get_finds(numpy_always, fill):
+    rng = random.Random(int(fill * 10))
+    capacity = 600
+    table = KeyTable(capacity)
+    ids = [os.urandom(16) for _ in range(2 * capacity)]
+    bound = rng.sample(range(capacity), int(capacity * fill))
+    for slot in bound:
+        table.bind(ids[slot], slot)
+    # Unbinding shifts probe runs back: lookups must still agree afterwards.
+    for slot in rng.sample(bound, len(bound) // 3):
+        table.unbind(slot)
+    for n in (1, 2, 7, 64, 500, 1200):
+        asked = rng.sample(ids, n)
+        assert table.get_many(asked) == [table.get(k) for k in asked]
+    assert table.get_many([]) == []
+
+
+def test_get_many_on_a_full_table_at_the_default_thresholds():
+    table = KeyTable(4096)
+    ids = [os.urandom(16) for _ in range(8192)]
+    for slot in range(4096):
+        table.bind(ids[slot], slot)
+    asked = ids[::2] + ids[1::2]
+    got = table.get_many(asked)
+    assert got == [table.get(k) for k in asked]
+    assert sorted(s for s in got if s >= 0) == list(range(4096))
+
+
+# --- SlotList batch linking ------------------------------------------------------------------
+def _walk_back(lst: SlotList) -> list[int]:
+    out, slot = [], lst._prev[lst._head]
+    while slot != lst._head:
+        out.append(slot)
+        slot = lst._prev[slot]
+    return out[::-1]
+
+
+def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch):
+    rng = random.Random(5)
+    for trial in range(150):
+        capacity = rng.choice([3, 40, 400])
+        one, batch = SlotList(capacity), SlotList(capacity)
+        for _ in range(15):
+            k = rng.randint(0, capacity)
+            if rng.random() < 0.5:
+                slots = rng.sample(range(capacity), k)
+                if rng.random() < 0.2:
+                    slots += slots[: k // 3]  # repeats: the last append decides
+                monkeypatch.setattr(slot_list, "BULK", 10**9)
+                one.extend(slots)
+                monkeypatch.setattr(slot_list, "BULK", 1)
+                batch.extend(slots)
+            else:
+                slots = [rng.randrange(capacity) for _ in range(k)]
+                monkeypatch.setattr(slot_list, "BULK", 10**9)
+                one.discard_many(slots)
+                monkeypatch.setattr(slot_list, "BULK", 1)
+                batch.discard_many(slots)
+            assert list(batch) == list(one), f"trial {trial}"
+            assert _walk_back(batch) == list(one)
+            assert len(batch) == len(one)
+            assert all((s in batch) == (s in one) for s in range(capacity))
+
+
+# --- the pool on the numpy paths -----------------------------------------------------------------
+def _workload() -> list:
+    """A fixed random sequence of pool calls; returns what every call answered, and checks each
+    page read back and the tiers' facts (TierIndex.check) after each call."""
+    rng = np.random.default_rng(11)
+    gen = torch.Generator().manual_seed(11)
+    pool = TieredPool(small_format(num_layers=2), device_pages=40, host_pages=90, registry=CollectorRegistry(),
+                      background_copies=False)
+    truth: dict = {}
+    trace = []
+    with pool:
+        for step in range(150):
+            op = rng.integers(0, 4)
+            if op == 0:
+                n = int(rng.integers(1, 12))
+                keys = prefix_keys(np.arange(n * pool.fmt.page_size) + 10_000 * step, pool.fmt.page_size, pool.namespace)
+                slots = pool.allocate(n)
+                fill_random(pool, slots, gen)
+                for k, s in zip(keys, slots):
+                    truth[k] = snapshot(pool, s)
+                trace.append(("commit", pool.commit(keys, slots), slots))
+                pool.release(slots)
+            elif op == 1 and truth:
+                known = list(truth)
+                asked = [known[i] for i in rng.permutation(len(known))[: int(rng.integers(1, 30))]]
+                asked.append(b"no tier holds this key")  # ends every prefix
+                m = pool.match(asked)
+                trace.append(("match", m))
+                if m.total:
+                    handle = pool.load(asked[: m.total])
+                    handle.synchronize()
+                    trace.append(("load", handle.slots))
+                    for k, s in zip(asked, handle.slots):
+                        assert snapshot(pool, s) == truth[k], f"step {step}: key in slot {s} holds another page"
+                    pool.release(handle.slots)
+            elif op == 2:
+                trace.append(("evict", pool.evict(int(rng.integers(1, 20)))))
+            else:
+                trace.append(("evict host", pool.evict(int(rng.integers(1, 10)), tier="host")))
+            pool._dev.check()
+            pool._host.check()
+    return trace
+
+
+def test_a_pool_gives_the_same_answers_on_both_paths(monkeypatch):
+    """The same calls with every batch on the one-at-a-time paths, then on the numpy paths:
+    the same slots, matches and evictions, every page read back bit-exact."""
+    python = _workload()
+    assert any(op == "load" for op, *_ in python) and any(op == "evict host" for op, *_ in python)
+    monkeypatch.setattr(key_table, "MANY", 1)
+    monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
+    monkeypatch.setattr(slot_list, "BULK", 1)
+    assert _workload() == python
