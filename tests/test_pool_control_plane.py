@@ -409,3 +409,22 @@ def test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages(registry):
     assert not errors, errors[:5]
     pool._dev.check()
     pool._host.check()
+
+
+def test_flush_leaves_no_write_through_copy_queued_behind_it(registry, gen):
+    """A commit queues its write-through copy for the offload thread; a flush that runs first
+    copies the page itself and drops the queued batch, so nothing copies the page again once
+    host eviction makes the device copy the only one (dirty) again."""
+    for i in range(200):
+        pool = TieredPool(small_format(), device_pages=8, host_pages=4, write_policy="write_through",
+                          registry=CollectorRegistry())
+        keys = prefix_keys(np.arange(4 * pool.fmt.page_size) + i, pool.fmt.page_size, pool.namespace)
+        slots = pool.allocate(4)
+        fill_random(pool, slots, gen)
+        pool.commit(keys, slots)
+        pool.release(slots)
+        assert pool.flush() == 0
+        pool.evict(tier="host")
+        states = pool.stats()["states"]
+        assert states["device"]["dirty"] == 4 and states["host"]["resident"] == 0, f"round {i}: {states}"
+        pool.close()

@@ -515,6 +515,7 @@ class TieredPool(Movement, TierRoom):
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
+        readable = _READABLE
         landing = self._dev_landing
         out = [-1] * len(ids)
         pinned: list[int] = []  # device pages held where they are
@@ -524,22 +525,26 @@ class TieredPool(Movement, TierRoom):
         while pos < len(ids):
             end = min(pos + chunk, len(ids))
             chunk *= _CHUNK_GROWTH
-            srcs, src_ids, src_pos = [], [], []
-            for i, slot in enumerate(dget_many(ids[pos:end]), pos):
-                if slot >= 0:
-                    dev.pin(slot)
-                    dev.touch(slot)
-                    pinned.append(slot)
-                    out[i] = slot
-                else:
-                    src_ids.append(ids[i])
-                    src_pos.append(i)
+            srcs = []
+            dslots = dget_many(ids[pos:end])
+            if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
+                src_ids, src_pos = ids[pos:end], range(pos, end)
+            else:
+                src_ids, src_pos = [], []
+                for i, slot in enumerate(dslots, pos):
+                    if slot >= 0:
+                        dev.pin(slot)
+                        dev.touch(slot)
+                        pinned.append(slot)
+                        out[i] = slot
+                    else:
+                        src_ids.append(ids[i])
+                        src_pos.append(i)
             if src_ids:
                 srcs = hget_many(src_ids)
-                for slot in srcs:
-                    if slot < 0 or not _READABLE[hstate[slot]]:
-                        self._cancel_load_now(pinned, started)
-                        return None
+                if min(srcs) < 0 or not all(map(readable.__getitem__, map(hstate.__getitem__, srcs))):
+                    self._cancel_load_now(pinned, started)
+                    return None
             pos = end
             n = len(srcs)
             if not n:
@@ -557,10 +562,12 @@ class TieredPool(Movement, TierRoom):
             if ready is None:
                 ready = engine.record_ready()
             ticket = engine.reload(srcs, targets, ready=ready)
-            for slot in targets:
-                landing[slot] = ticket
-            for i, slot in zip(src_pos, targets):
-                out[i] = slot
+            landing.update(dict.fromkeys(targets, ticket))
+            if type(src_pos) is range:
+                out[src_pos.start : src_pos.stop] = targets
+            else:
+                for i, slot in zip(src_pos, targets):
+                    out[i] = slot
             flags = [False, False]  # cancelled, landed
             started.append((targets, ticket, flags))
             self._submit(ticket, self._landed(srcs, targets, ticket, flags))
@@ -802,6 +809,10 @@ class TieredPool(Movement, TierRoom):
         while True:
             with self._lock:
                 self._reap()
+                # Flush copies every dirty page itself (after the latest commit's event, which
+                # follows every queued batch's): the offload thread's queued batches go, or one
+                # would copy a page again after flush returned, once something made it dirty.
+                self._pending_down.clear()
                 dev, host = self._dev, self._host
                 dev_dirty = [s for s in dev.dirty if keep(dev.hits[s]) and not dev.busy[s]]
                 if dev_dirty:
