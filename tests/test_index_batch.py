@@ -15,10 +15,14 @@ from prometheus_client import CollectorRegistry
 import kvtier.index.key_table as key_table
 import kvtier.index.keys as keys_mod
 import kvtier.index.slot_list as slot_list
+import kvtier.index.tier_index as tier_index
 from kvtier import TieredPool, key_id, prefix_keys
 from kvtier.index.key_table import KeyTable
 from kvtier.index.slot_list import SlotList
 from tests.conftest import fill_random, small_format, snapshot
+from tests.test_pool_control_plane import (
+    test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages as _threads_stress,
+)
 
 
 @pytest.fixture
@@ -27,6 +31,7 @@ def numpy_always(monkeypatch):
     monkeypatch.setattr(key_table, "MANY", 1)
     monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
+    monkeypatch.setattr(tier_index, "BULK", 1)
 
 
 # --- key ids -------------------------------------------------------------------------------
@@ -203,4 +208,11 @@ def test_a_pool_gives_the_same_answers_on_both_paths(monkeypatch):
     monkeypatch.setattr(key_table, "MANY", 1)
     monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
+    monkeypatch.setattr(tier_index, "BULK", 1)
     assert _workload() == python
+
+
+def test_threads_with_copies_in_flight_never_mix_pages_on_the_numpy_paths(numpy_always, registry):
+    """The control plane's thread stress (four threads, a lander thread landing copies at random
+    moments) with every batch on the numpy paths."""
+    _threads_stress(registry)

@@ -202,6 +202,20 @@ class DictKeyTable:
         self._map[kid] = slot
         self._ids[slot] = kid
 
+    def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
+        """`bind` of each id to its slot (distinct slots); nothing changes when one cannot be bound."""
+        ids = self._ids
+        if any(map(ids.__getitem__, slots)):
+            taken = next(slot for slot in slots if ids[slot] is not None)
+            raise ValueError(f"slot {taken} already holds key id {ids[taken].hex()}")
+        mapped = self._map.keys() & kids
+        if mapped or len(set(kids)) != len(kids):
+            kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
+            raise ValueError(f"key id {kid.hex()} is already in slot {self._map.get(kid, slots[kids.index(kid)])}")
+        self._map.update(zip(kids, slots))
+        for slot, kid in zip(slots, kids):
+            ids[slot] = kid
+
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""
         kid = self._ids[slot]

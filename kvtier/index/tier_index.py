@@ -17,6 +17,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from kvtier.index.eviction import EvictionPolicy
 from kvtier.index.key_table import DictKeyTable, KeyTable
 from kvtier.index.slot_list import BULK, SlotList
@@ -28,6 +30,19 @@ _LEGAL_TO = {new: [row[new] for row in LEGAL] for new in PageState}
 _EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
 _READABLE = [s in READABLE for s in PageState]
 _HITS_MAX = 255
+_NP_EVICTABLE = np.array(_EVICTABLE)
+_NP_LEGAL_TO = {new: np.array(row) for new, row in _LEGAL_TO.items()}
+
+
+def _unique_slots(slots) -> np.ndarray | None:
+    """A long batch as an int64 array when no slot repeats in it (the numpy paths' condition),
+    else None (the one-at-a-time loops, which apply repeats in order)."""
+    if len(slots) < BULK:
+        return None
+    array_ = np.fromiter(slots, dtype=np.int64, count=len(slots))
+    if np.unique(array_).size != array_.size:
+        return None
+    return array_
 
 
 class TierIndex:
@@ -50,6 +65,11 @@ class TierIndex:
         self.counts[S.FREE] = capacity
         self.held = 0  # slots with pins > 0
         self.busy_slots = 0  # slots with busy > 0
+        # numpy views of the same arrays (no copy) for the batch paths.
+        self._np_state = np.frombuffer(self.state, dtype=np.uint8)
+        self._np_pins = np.frombuffer(self.pins, dtype=np.int32)
+        self._np_busy = np.frombuffer(self.busy, dtype=np.int32)
+        self._np_hits = np.frombuffer(self.hits, dtype=np.uint8)
 
     # --- lookups -----------------------------------------------------------------------------
     def lookup(self, kid: bytes) -> int:
@@ -81,6 +101,8 @@ class TierIndex:
         key and returns the slot to the free list.
         """
         if not slots:
+            return
+        if new != _FREE and len(slots) >= BULK and self._set_states_bulk(slots, new, busy_delta):
             return
         state, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
         legal, evictable, was_evictable = _LEGAL_TO[new], _EVICTABLE[new], _EVICTABLE
@@ -161,6 +183,50 @@ class TierIndex:
         if adds:
             self.policy.add_many(adds)
 
+    def _set_states_bulk(self, slots: Sequence[int], new: PageState, busy_delta: int) -> bool:
+        """`set_states` of a long batch of distinct slots to a state other than FREE, in numpy;
+        False (nothing changed) when a slot repeats or a transition is illegal, for the loops to
+        apply or report."""
+        at = _unique_slots(slots)
+        if at is None:
+            return False
+        state, busy, pins = self._np_state, self._np_busy, self._np_pins
+        old = state[at]
+        if not _NP_LEGAL_TO[new][old].all():
+            return False
+        before = busy[at]
+        after = before + busy_delta
+        if busy_delta and (after < 0).any():
+            return False  # the loop names the slot
+        evictable = _EVICTABLE[new]
+        unpinned = pins[at] == 0
+        if busy_delta:
+            started, ended = before == 0, (before > 0) & (after == 0)
+            self.busy_slots += int(started.sum()) - int(ended.sum())
+            leaving = at[started & _NP_EVICTABLE[old] & unpinned]
+            joining = at[ended & unpinned] if evictable else at[:0]
+            busy[at] = after
+        else:
+            changes = (_NP_EVICTABLE[old] != evictable) & (before == 0) & unpinned
+            leaving = at[:0] if evictable else at[changes]
+            joining = at[changes] if evictable else at[:0]
+        state[at] = new
+        counts = self.counts
+        for st, n in enumerate(np.bincount(old, minlength=len(counts)).tolist()):
+            counts[st] -= n
+        counts[new] += at.size
+        if new == _DIRTY:
+            self.dirty.extend(at.tolist())  # moved to the end, in order, as the loop appends
+        else:
+            was_dirty = at[old == _DIRTY]
+            if was_dirty.size:
+                self.dirty.discard_many(was_dirty)
+        if leaving.size:
+            self.policy.remove_many(leaving)
+        if joining.size:
+            self.policy.add_many(joining.tolist())
+        return True
+
     def _refresh(self, slot: int) -> None:
         if _EVICTABLE[self.state[slot]] and not self.pins[slot] and not self.busy[slot]:
             self.policy.add(slot)
@@ -195,11 +261,23 @@ class TierIndex:
         del free[len(free) - n :]
         state, pins, busy, bind = self.state, self.pins, self.busy, self.table.bind
         loading = int(S.LOADING)
-        for slot, kid in zip(slots, kids):
-            bind(kid, slot)
-            state[slot] = loading
-            busy[slot] = 1
-            pins[slot] = 1
+        if n >= BULK:  # free slots never repeat
+            bind_many = getattr(self.table, "bind_many", None)
+            if bind_many is not None:
+                bind_many(kids, slots)
+            else:
+                for slot, kid in zip(slots, kids):
+                    bind(kid, slot)
+            at = np.array(slots, dtype=np.int64)
+            self._np_state[at] = loading
+            self._np_busy[at] = 1
+            self._np_pins[at] = 1
+        else:
+            for slot, kid in zip(slots, kids):
+                bind(kid, slot)
+                state[slot] = loading
+                busy[slot] = 1
+                pins[slot] = 1
         self.counts[S.FREE] -= n
         self.counts[S.LOADING] += n
         self.busy_slots += n
@@ -291,6 +369,16 @@ class TierIndex:
 
     def hold_all(self, slots: Iterable[int], touch: bool = False) -> None:
         """A copy starts reading or writing each slot: none is evicted until `unhold_all`."""
+        at = _unique_slots(slots)
+        if at is not None:
+            before = self._np_busy[at]
+            self.busy_slots += int((before == 0).sum())
+            self._np_busy[at] = before + 1
+            self.policy.remove_many(at)
+            if touch:
+                hits = self._np_hits
+                hits[at] = np.minimum(hits[at].astype(np.int16) + 1, _HITS_MAX)
+            return
         busy, hits = self.busy, self.hits
         removes = [] if len(slots) >= BULK else None
         remove = self.policy.remove if removes is None else removes.append
@@ -305,6 +393,17 @@ class TierIndex:
             self.policy.remove_many(removes)
 
     def unhold_all(self, slots: Iterable[int]) -> None:
+        at = _unique_slots(slots)
+        if at is not None:
+            left = self._np_busy[at] - 1
+            if not (left < 0).any():  # else the loop names the slot
+                self._np_busy[at] = left
+                idle = left == 0
+                self.busy_slots -= int(idle.sum())
+                joining = at[idle & (self._np_pins[at] == 0) & _NP_EVICTABLE[self._np_state[at]]]
+                if joining.size:
+                    self.policy.add_many(joining.tolist())
+                return
         busy, pins, state = self.busy, self.pins, self.state
         adds = [] if len(slots) >= BULK else None
         evictable, add = _EVICTABLE, self.policy.add if adds is None else adds.append
