@@ -106,6 +106,7 @@ def test_get_many_finds_what_get_finds(numpy_always, fill):
     for n in (1, 2, 7, 64, 500, 1200):
         asked = rng.sample(ids, n)
         assert table.get_many(asked) == [table.get(k) for k in asked]
+        assert list(table.get_each(asked)) == [table.get(k) for k in asked]
     assert table.get_many([]) == []
 
 

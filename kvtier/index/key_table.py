@@ -15,6 +15,7 @@ A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry)
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -92,6 +93,11 @@ class KeyTable:
             result[i] = get(kids[i])
         return result
 
+    def get_each(self, kids: list[bytes]) -> Iterator[int]:
+        """`get` of each id, in order, as they are read: one at a time below MANY ids (a caller
+        that stops at the first miss pays for what it read), all at once in numpy from MANY."""
+        return iter(self.get_many(kids)) if len(kids) >= MANY else map(self.get, kids)
+
     def __contains__(self, kid: bytes) -> bool:
         return self.get(kid) >= 0
 
@@ -116,6 +122,12 @@ class KeyTable:
         self._bucket_of[slot] = b
         self._home[slot] = home
         self._len += 1
+
+    def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
+        """`bind` of each id to its slot."""
+        bind = self.bind
+        for kid, slot in zip(kids, slots):
+            bind(kid, slot)
 
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""
@@ -185,6 +197,10 @@ class DictKeyTable:
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order."""
         return list(map(self._map.__getitem__, kids))
+
+    def get_each(self, kids: list[bytes]) -> Iterator[int]:
+        """`get` of each id, in order, as they are read."""
+        return map(self._map.__getitem__, kids)
 
     def __len__(self) -> int:
         return len(self._map)

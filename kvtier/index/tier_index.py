@@ -262,12 +262,7 @@ class TierIndex:
         state, pins, busy, bind = self.state, self.pins, self.busy, self.table.bind
         loading = int(S.LOADING)
         if n >= BULK:  # free slots never repeat
-            bind_many = getattr(self.table, "bind_many", None)
-            if bind_many is not None:
-                bind_many(kids, slots)
-            else:
-                for slot, kid in zip(slots, kids):
-                    bind(kid, slot)
+            self.table.bind_many(kids, slots)
             at = np.array(slots, dtype=np.int64)
             self._np_state[at] = loading
             self._np_busy[at] = 1

@@ -72,6 +72,9 @@ _ROUNDS = 64  # a load re-plans at most this many times while other threads take
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
+# Walks over a key list (match, its touch) read it in chunks from this many keys, growing alike:
+# a list whose prefix ends early is read little past its end.
+_FIRST_LOOKUP = 8
 
 
 def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
@@ -399,21 +402,21 @@ class TieredPool(Movement, TierRoom):
     def _walk(self, ids: list[bytes], start: int, in_remote=None) -> tuple[int, int, int, int]:
         """(device, host, remote, end) over the leading ids from `start` held by the device, the
         host or (where `in_remote`, one flag per id from `start`, says so) the remote tier.
-        Looked up in chunks growing from _FIRST_CHUNK, so a long list with a short prefix costs
-        about its prefix, and long prefixes are looked up a chunk at a time (`get_many`)."""
-        dget_many, hget_many = self._dev.table.get_many, self._host.table.get_many
+        In chunks growing from _FIRST_LOOKUP: the device table (a dict) answers a chunk at once,
+        the host table as the walk reads its answers (`get_each`: numpy for long chunks, else
+        one at a time), so a long list with a short prefix costs about its prefix."""
+        dget, hget_each = self._dev.table.get, self._host.table.get_each
         d = h = r = 0
-        pos, chunk = start, _FIRST_CHUNK
+        pos, chunk = start, _FIRST_LOOKUP
         while pos < len(ids):
             part = ids[pos : pos + chunk]
             chunk *= _CHUNK_GROWTH
-            dslots = dget_many(part)
-            off_device = [i for i, slot in enumerate(dslots) if slot < 0]
-            hslots = dict(zip(off_device, hget_many([part[i] for i in off_device]))) if off_device else {}
+            dslots = list(map(dget, part))
+            hslots = hget_each([kid for kid, slot in zip(part, dslots) if slot < 0])
             for i, slot in enumerate(dslots):
                 if slot >= 0:
                     d += 1
-                elif hslots[i] >= 0:
+                elif next(hslots) >= 0:
                     h += 1
                 elif in_remote is not None and in_remote[pos + i - start]:
                     r += 1
@@ -424,18 +427,19 @@ class TieredPool(Movement, TierRoom):
 
     @staticmethod
     def _prefix_slots(index, ids: list[bytes]) -> list[int]:
-        """The slots of the leading ids `index` holds (chunks growing from _FIRST_CHUNK)."""
+        """The slots of the leading ids `index` holds (chunks growing from _FIRST_LOOKUP, each
+        read as `get_each` answers, up to the first miss)."""
         out: list[int] = []
-        get_many = index.table.get_many
-        pos, chunk = 0, _FIRST_CHUNK
+        get_each = index.table.get_each
+        pos, chunk = 0, _FIRST_LOOKUP
         while pos < len(ids):
-            slots = get_many(ids[pos : pos + chunk])
+            part = ids[pos : pos + chunk]
             chunk *= _CHUNK_GROWTH
-            if -1 in slots:
-                out += slots[: slots.index(-1)]
-                return out
-            out += slots
-            pos += len(slots)
+            for slot in get_each(part):
+                if slot < 0:
+                    return out
+                out.append(slot)
+            pos += len(part)
         return out
 
     def _touch_prefix(self, ids: list[bytes]) -> None:
