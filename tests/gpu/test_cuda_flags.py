@@ -198,3 +198,22 @@ def test_offload_reports_pages_with_nan_or_inf(path: str) -> None:
     assert again.failed_positions() == []  # the marks of the previous transfer do not leak into this one
     engine.close()
     host.close()
+
+
+@needs_kernels
+def test_a_failing_launch_names_its_kernel() -> None:
+    """The launch path builds no message unless the launch fails; then it names the kernel."""
+    from kvtier.transfer.cuda.plans import THREADS
+
+    fmt = PageFormat(2, 2, 64, 16)
+    dev, host = DeviceTier(fmt, 8, "cuda"), HostTier(fmt, 8, pin=True)
+    engine = CudaEngine(dev, host, path="kernel")
+    engine.reload([0], [1]).synchronize()  # compiles and loads the reload kernel
+    name, function = next(iter(engine._functions.items()))
+    with pytest.raises(RuntimeError, match=f"cuLaunchKernel of {name}"):
+        engine.driver.launch(function, 0, THREADS, engine.reload_lane.cu_stream, 0, name)  # an empty grid is invalid
+    engine.reload([1], [2]).synchronize()  # the engine still works after the refused launch
+    torch.cuda.synchronize()
+    assert torch.equal(dev.raw_plane(0, 0)[2].cpu(), host.raw_plane(0, 0)[1])
+    engine.close()
+    host.close()

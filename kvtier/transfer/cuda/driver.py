@@ -50,19 +50,20 @@ class Driver:
             self.wait_event = self._wait_event_direct
             self.record_event = self._record_event_direct
 
-    def _direct(self, what: str, function, *args) -> None:
+    def _direct(self, what: str, function, *args, of: str | None = None) -> None:
         """A libcuda call through ctypes: 0 is success; a thread without this device's context
-        binds it and retries once; anything else raises, named by cuda.bindings."""
+        binds it and retries once; anything else raises, named by cuda.bindings (`of`: what
+        the call was for, put in the message only then)."""
         code = function(*args)
         if code in self._no_context_codes:
             with torch.cuda.device(self.device):
                 code = function(*args)
         if code:
-            self._check((self._cu.CUresult(code),), what, args)
+            self._check((self._cu.CUresult(code),), what if of is None else f"{what} of {of}", args)
 
     def _launch_direct(self, function, blocks: int, threads: int, stream, params: int, name: str) -> None:
-        self._direct(f"cuLaunchKernel of {name}", self._lib.cuLaunchKernel, int(function), blocks, 1, 1, threads, 1, 1, 0,
-                     int(stream), params, None)
+        self._direct("cuLaunchKernel", self._lib.cuLaunchKernel, int(function), blocks, 1, 1, threads, 1, 1, 0,
+                     int(stream), params, None, of=name)
 
     def _wait_value_direct(self, stream, address: int, value: int) -> None:
         self._direct("cuStreamWaitValue32", self._lib.cuStreamWaitValue32_v2, int(stream), address, value,
