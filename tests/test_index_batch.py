@@ -16,6 +16,7 @@ import kvtier.index.key_table as key_table
 import kvtier.index.keys as keys_mod
 import kvtier.index.slot_list as slot_list
 import kvtier.index.tier_index as tier_index
+import kvtier.pool.pool as pool_mod
 from kvtier import TieredPool, key_id, prefix_keys
 from kvtier.index.key_table import KeyTable
 from kvtier.index.slot_list import SlotList
@@ -25,13 +26,19 @@ from tests.test_pool_control_plane import (
 )
 
 
-@pytest.fixture
-def numpy_always(monkeypatch):
-    """Every batch, however short, takes the numpy path."""
+def _numpy_everywhere(monkeypatch) -> None:
+    """Every batch, however short, takes the numpy path, and the pool's walks read every id
+    past the first in chunks."""
     monkeypatch.setattr(key_table, "MANY", 1)
     monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
+    monkeypatch.setattr(pool_mod, "MANY", 1)
+
+
+@pytest.fixture
+def numpy_always(monkeypatch):
+    _numpy_everywhere(monkeypatch)
 
 
 # --- key ids -------------------------------------------------------------------------------
@@ -206,10 +213,7 @@ def test_a_pool_gives_the_same_answers_on_both_paths(monkeypatch):
     the same slots, matches and evictions, every page read back bit-exact."""
     python = _workload()
     assert any(op == "load" for op, *_ in python) and any(op == "evict host" for op, *_ in python)
-    monkeypatch.setattr(key_table, "MANY", 1)
-    monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
-    monkeypatch.setattr(slot_list, "BULK", 1)
-    monkeypatch.setattr(tier_index, "BULK", 1)
+    _numpy_everywhere(monkeypatch)
     assert _workload() == python
 
 

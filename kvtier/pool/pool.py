@@ -32,6 +32,7 @@ It must never touch page bytes itself, nor hold its lock while it waits.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import threading
@@ -45,6 +46,7 @@ from collections.abc import Iterable
 
 from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
+from kvtier.index.key_table import MANY
 from kvtier.index.keys import key_ids
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
@@ -72,9 +74,6 @@ _ROUNDS = 64  # a load re-plans at most this many times while other threads take
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
-# Walks over a key list (match, its touch) read it in chunks from this many keys, growing alike:
-# a list whose prefix ends early is read little past its end.
-_FIRST_LOOKUP = 8
 
 
 def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
@@ -402,44 +401,59 @@ class TieredPool(Movement, TierRoom):
     def _walk(self, ids: list[bytes], start: int, in_remote=None) -> tuple[int, int, int, int]:
         """(device, host, remote, end) over the leading ids from `start` held by the device, the
         host or (where `in_remote`, one flag per id from `start`, says so) the remote tier.
-        In chunks growing from _FIRST_LOOKUP: the device table (a dict) answers a chunk at once,
-        the host table as the walk reads its answers (`get_each`: numpy for long chunks, else
-        one at a time), so a long list with a short prefix costs about its prefix."""
-        dget, hget_each = self._dev.table.get, self._host.table.get_each
+        The first MANY ids one at a time (a short walk pays for what it reads, nothing more),
+        the rest in chunks of MANY and more whose host lookups run in numpy (`get_each`)."""
+        dget, htable = self._dev.table.get, self._host.table
+        hget = htable.get
         d = h = r = 0
-        pos, chunk = start, _FIRST_LOOKUP
+        plain = min(len(ids), start + MANY)
+        for i in range(start, plain):
+            kid = ids[i]
+            if dget(kid) >= 0:
+                d += 1
+            elif hget(kid) >= 0:
+                h += 1
+            elif in_remote is not None and in_remote[i - start]:
+                r += 1
+            else:
+                return d, h, r, i
+        pos, chunk = plain, MANY
         while pos < len(ids):
             part = ids[pos : pos + chunk]
             chunk *= _CHUNK_GROWTH
             dslots = list(map(dget, part))
-            hslots = hget_each([kid for kid, slot in zip(part, dslots) if slot < 0])
-            for i, slot in enumerate(dslots):
+            hslots = htable.get_each([kid for kid, slot in zip(part, dslots) if slot < 0])
+            for i, slot in enumerate(dslots, pos):
                 if slot >= 0:
                     d += 1
                 elif next(hslots) >= 0:
                     h += 1
-                elif in_remote is not None and in_remote[pos + i - start]:
+                elif in_remote is not None and in_remote[i - start]:
                     r += 1
                 else:
-                    return d, h, r, pos + i
+                    return d, h, r, i
             pos += len(part)
         return d, h, r, pos
 
     @staticmethod
     def _prefix_slots(index, ids: list[bytes]) -> list[int]:
-        """The slots of the leading ids `index` holds (chunks growing from _FIRST_LOOKUP, each
-        read as `get_each` answers, up to the first miss)."""
+        """The slots of the leading ids `index` holds: the first MANY one at a time, the rest in
+        chunks of MANY and more looked up at once (`get_many`)."""
         out: list[int] = []
-        get_each = index.table.get_each
-        pos, chunk = 0, _FIRST_LOOKUP
+        get = index.table.get
+        for kid in itertools.islice(ids, MANY):
+            slot = get(kid)
+            if slot < 0:
+                return out
+            out.append(slot)
+        pos, chunk = MANY, MANY
         while pos < len(ids):
-            part = ids[pos : pos + chunk]
+            slots = index.table.get_many(ids[pos : pos + chunk])
             chunk *= _CHUNK_GROWTH
-            for slot in get_each(part):
-                if slot < 0:
-                    return out
-                out.append(slot)
-            pos += len(part)
+            if -1 in slots:
+                return out + slots[: slots.index(-1)]
+            out += slots
+            pos += len(slots)
         return out
 
     def _touch_prefix(self, ids: list[bytes]) -> None:
