@@ -7,8 +7,9 @@ and scale bytes the kernel must read over its median time (triton.testing.do_ben
 before every call). The copy rate is `dst.copy_(src)` of 1 GiB, counted as bytes read plus
 bytes written (the HBM traffic a copy makes), so the ratio compares like with like; the JSON
 keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
-size, warp count, pipeline stages (and for fp8 pages the dots' dtype) per dtype at batch 16, 16k tokens,
-then the split plan's target number of programs for that config at batch 16 and at batch 1.
+size, warp count, pipeline stages (and for fp8 pages how the dots read them) per dtype at batch 16,
+16k tokens, then the split plan's programs per SM for that config at batch 16, 64 and 1; the sweep
+runs the library's default plan (attention.PROGRAMS_PER_SM).
 
 Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
 times say nothing about a GPU.
@@ -38,11 +39,11 @@ KERNEL_SHAPES = ((32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (64
                  (128, 8, 2), (128, 8, 3))
 TUNE_CONFIGS = {
     "fp8": [dict(block_n=bn, num_warps=warps, num_stages=stages, fp8_dot=dot)
-            for dot in ("fp16", "query") for bn, warps, stages in KERNEL_SHAPES],
+            for dot in ("pairs", "query") for bn, warps, stages in KERNEL_SHAPES],
     "bf16": [dict(block_n=bn, num_warps=warps, num_stages=stages) for bn, warps, stages in KERNEL_SHAPES],
 }
-# Programs the split plan aims for, tried with each dtype's best kernel config.
-TARGET_PROGRAMS = (132, 264, 528, 1056)
+# Programs per SM the split plan fills waves of, tried with each dtype's best kernel config.
+PROGRAMS_PER_SM = (2, 3, 4, 6)
 
 
 def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
@@ -125,21 +126,24 @@ def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: tor
     best = max(tried, key=lambda row: row["gbps"])
     config = {k: best[k] for k in TUNE_CONFIGS[dtype][0]}
     one = make_inputs(1, context, dtype, device, gen)
-    default_target = attention.TARGET_PROGRAMS
-    for target in TARGET_PROGRAMS:
-        attention.TARGET_PROGRAMS = target
-        for b, inputs in ((batch, args), (1, one)):
+    wide = make_inputs(64, min(context, 8192), dtype, device, gen)
+    default_per_sm = attention.PROGRAMS_PER_SM
+    for per_sm in PROGRAMS_PER_SM:
+        attention.PROGRAMS_PER_SM = per_sm
+        for inputs in (args, wide, one):
+            b, n = inputs["q"].shape[0], inputs["page_table"].shape[1] * PAGE
             seconds = time_call(lambda: paged_decode_attention(**inputs, **config), cuda)
-            tried.append({**config, "target_programs": target, "batch": b, "seconds": seconds,
-                          "gbps": bytes_read(inputs, context) / seconds / 1e9})
-            print(f"  {dtype} target {target} batch {b}: {tried[-1]['gbps']:.0f} GB/s", flush=True)
-    attention.TARGET_PROGRAMS = default_target
+            tried.append({**config, "programs_per_sm": per_sm, "batch": b, "context": n, "seconds": seconds,
+                          "gbps": bytes_read(inputs, n) / seconds / 1e9})
+            print(f"  {dtype} {per_sm} programs per SM, batch {b} x {n}: {tried[-1]['gbps']:.0f} GB/s", flush=True)
+    attention.PROGRAMS_PER_SM = default_per_sm
+    del wide
     del args, one
     return config, tried
 
 
 def main(argv: list[str] | None = None) -> int:
-    global TARGET_PROGRAMS
+    global PROGRAMS_PER_SM
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points (batch 1/16/64, context 1k/8k/32k)")
     ap.add_argument("--json", type=Path, default=None)
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         batches, contexts, tune_at = (1, 2), (64, 256), (2, 256)
         for configs in TUNE_CONFIGS.values():
             configs[:] = configs[:2]
-        TARGET_PROGRAMS = (264,)
+        PROGRAMS_PER_SM = (3,)
     print(f"decode attention bandwidth: {meta}", flush=True)
     copy = copy_rate(cuda, device)
     print(f"device-to-device copy of {copy['bytes'] >> 20} MiB: {copy['copy_gbps']:.0f} GB/s copied, "

@@ -156,10 +156,46 @@ def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
     args = make_case(seed, dtype, scale, "nhd", page_size=16, max_len=300, group=4, kv_heads=2)
     args["q"] = (args["q"].float() * q_mult).bfloat16()
     args["v_scales"] = args["v_scales"] * v_mult
-    for fp8_dot, dot_dtype in (("fp16", torch.float16), ("query", torch.bfloat16)):
+    for fp8_dot, dot_dtype in (("fp16", torch.float16), ("query", torch.bfloat16), ("pairs", torch.float16)):
         out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
         paged_decode_attention(**args, out=out, num_splits=3, block_n=32, fp8_dot=fp8_dot)
         assert_close_to_reference(out, args, dot_dtype)
+
+
+FP8_LAYOUT_CASES = [case for case in CASES if case[0].startswith("fp8")]
+
+
+@pytest.mark.parametrize("fp8_dot", ["query", "fp16", "pairs"])
+@pytest.mark.parametrize("dtype,scale,layout", FP8_LAYOUT_CASES)
+def test_every_fp8_dot_mode_matches_float64_reference(dtype, scale, layout, fp8_dot):
+    """Each way of running the dots over fp8 pages, over random shapes, splits and block sizes;
+    "fp16" and "pairs" hold fp16's bound (their dots see the probabilities in fp16)."""
+    seed = 700 + FP8_LAYOUT_CASES.index((dtype, scale, layout))
+    args = make_case(seed, dtype, scale, layout)
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=1 + seed % 3, block_n=16 << (seed % 3), fp8_dot=fp8_dot)
+    assert_close_to_reference(out, args, torch.bfloat16 if fp8_dot == "query" else torch.float16)
+
+
+def test_pairs_read_pages_at_odd_byte_offsets():
+    """fp8 pages that cannot be read as 16-bit words (an engine tensor whose planes start at odd
+    byte offsets) are read byte by byte instead, with the same result."""
+    args = make_case(800, "fp8_e4m3", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)
+    k, v = args["k_pages"], args["v_pages"]
+    raw = torch.empty((2, k.numel() + 1), dtype=torch.uint8, device=DEVICE)
+    odd = dict(args)
+    for i, (name, pages) in enumerate((("k_pages", k), ("v_pages", v))):
+        view = raw[i, 1:].view(pages.dtype).view(pages.shape)
+        view.copy_(pages)
+        odd[name] = view
+    assert odd["k_pages"].storage_offset() % 2 == 1
+    outs = []
+    for fp8_dot in ("pairs", "query"):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**odd, out=out, num_splits=2, block_n=32, fp8_dot=fp8_dot)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close_to_reference(outs[0], args)
 
 
 @pytest.mark.parametrize("dtype,scale", [("bf16", "none"), ("fp8_e4m3", "per_token_head")])
@@ -216,11 +252,16 @@ def test_fp8_in_kernel_matches_upcast_bf16_pages():
 
 
 def test_split_plan_defaults():
-    assert split_plan(1, 1, 32768, 64) == (64, 512)
-    assert split_plan(64, 8, 32768, 64) == (1, 32768)
-    assert split_plan(4, 8, 300, 64) == (1, 320)
-    # 17 splits wanted; 482 tokens round up to 512, so 16 cover the context.
-    assert split_plan(2, 8, 8192, 64) == (16, 512)
+    """The fewest splits whose programs fill their last wave (396 slots: 132 SMs x 3) at least 90%."""
+    assert split_plan(1, 1, 32768, 64, slots=396) == (64, 512)  # one kv head: as many splits as allowed
+    # 512 programs are 1.29 waves (the last 29% full); three splits make 3.88.
+    assert split_plan(64, 8, 32768, 64, slots=396) == (3, 10944)
+    assert split_plan(64, 8, 32768, 64, slots=512) == (1, 32768)  # exactly one wave
+    assert split_plan(4, 8, 300, 64, slots=396) == (1, 320)  # never under 256 tokens a split
+    # No split count fills 90% of a wave of 16 x splits programs: the best fill, 352 / 396.
+    assert split_plan(2, 8, 8192, 64, slots=396) == (22, 384)
+    assert split_plan(16, 8, 8192, 128, slots=396) == (3, 2816)
+    assert split_plan(16, 8, 8192, 128, num_splits=5) == (5, 1664)
 
 
 def _valid(**override):

@@ -8,8 +8,10 @@ or "hnd" layout with any strides, and two dtype paths:
   per_page_head, per_token_head). The kernel dequantizes inside: within one program the kv
   head is fixed, so every granularity gives one scale per token, and K's scale multiplies
   that token's score column while V's scale multiplies its probability. That is the same
-  product as scaling the page first, but fp8 -> bf16 is exact, so the tensor-core dot sees
-  exact values and the scale is applied in fp32.
+  product as scaling the page first, but fp8 -> fp16 (and bf16) is exact, so the tensor-core
+  dot sees exact values and the scale is applied in fp32. By default ("pairs") the pages are
+  read as 16-bit words of two fp8 values, each word converted by one instruction, and the dots
+  run in fp16 over the even and the odd head_dim columns (_decode_split_pairs).
 - 16-bit pages (bf16 / fp16), e.g. the bf16 pages a PageFormat with device_dtype="bf16"
   delivers by upcasting fp8 records on reload.
 
@@ -22,6 +24,7 @@ same code is tested everywhere: importing this module sets TRITON_INTERPRET=1 th
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -48,14 +51,19 @@ LOG2E = 1.4426950408889634
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
-FP8_DOTS = ("fp16", "query")
+FP8_DOTS = ("fp16", "query", "pairs")
 BLOCK_N = {True: 128, False: 64}  # default block_n for fp8 pages / 16-bit pages (measured, H200)
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
 MIN_DOT = 16
-# Split-KV aims for this many programs in flight (about two waves on an H200's 132 SMs) and
-# never cuts a sequence into pieces shorter than MIN_SPLIT_TOKENS, where the merge would cost
-# more than the parallelism gains.
-TARGET_PROGRAMS = 264
+# Split-KV cuts sequences so that the programs fill whole waves: PROGRAMS_PER_SM programs of the
+# default configs stay resident on each SM (registers: about 160 a thread for fp8 pages, so three
+# programs of four warps), and a plan whose last wave is less than WAVE_FILL full leaves SMs idle
+# for a whole program's time (batch 64 x 8k fp8 tokens on an H200: one split, 1.29 waves, ran at
+# 0.63x of the copy rate; three splits, 3.9 waves, at 0.76x). No piece is shorter than
+# MIN_SPLIT_TOKENS, where the merge would cost more than the parallelism gains.
+PROGRAMS_PER_SM = 3
+DEFAULT_SMS = 132  # an H200's, for the plan on a machine without CUDA
+WAVE_FILL = 0.9
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # Triton's interpreter (3.9) multiplies bf16 dot operands as their raw uint16 bits; there the
@@ -179,6 +187,140 @@ def _decode_split(
 
 
 @triton.jit
+def _fp8_pairs_to_f16(x, FP8: tl.constexpr, ASM: tl.constexpr):
+    """int16 words each holding two fp8 values (element 2i in the low byte) -> (even, odd) fp16 tensors.
+
+    fp8 -> fp16 is exact for e4m3 and e5m2. On the GPU (ASM) one cvt.rn.f16x2.e4m3x2 / .e5m2x2
+    (sm_89+) converts a word's two values; the interpreter, which cannot run PTX, widens each byte.
+    """
+    if ASM:
+        if FP8 == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+            )
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e5m2x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    lo = (x & 0xFF).to(tl.uint8)
+    hi = ((x >> 8) & 0xFF).to(tl.uint8)
+    if FP8 == 1:
+        return lo.to(tl.float8e4nv, bitcast=True).to(tl.float16), hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo.to(tl.float8e5, bitcast=True).to(tl.float16), hi.to(tl.float8e5, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _decode_split_pairs(
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    qk_scale,
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh,
+    stride_vsp, stride_vst, stride_vsh,
+    stride_ptb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    ASM: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
+
+    Each word converts to two fp16 values in one instruction, and each dot runs twice, over the
+    even and over the odd head_dim columns (the query split the same way; two accumulators, joined
+    at the store). Converting in place of the loaded words lets the tiles reach the dots through
+    ldmatrix, where bytes converted to bf16 are restaged one by one (sm90, Triton 3.6). The dots run
+    in fp16 with the fp16 path's scaling: the query by a power of two into fp16's range, each block's
+    probabilities times V's scales divided by the block's largest scale.
+    """
+    HALF_D: tl.constexpr = HEAD_DIM // 2
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(LENS + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if start < end:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_w = tl.arange(0, HALF_D)
+        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * offs_w[None, :]
+        q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
+        q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
+        # Biased exponent e of max|q|, clamped so that both powers of two below are normal.
+        e = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.minimum(tl.maximum(e, 14), 254)
+        score_scale = qk_scale * ((e - 13) << 23).to(tl.float32, bitcast=True)  # 2^(e-127-13)
+        q_even = (q_even * ((267 - e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        q_odd = (q_odd * ((267 - e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_H], tl.float32)
+        acc_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + tl.arange(0, BLOCK_N)
+            live = tok < end
+            page = tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
+            row = tok % PAGE_SIZE
+            k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
+            v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
+            k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
+            if ASM:
+                score = tl.dot(q_even, tl.trans(k_even))
+                score = tl.dot(q_odd, tl.trans(k_odd), score)
+            else:  # the interpreter's dot: fp32 operands holding the same values
+                score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
+                score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+            k_scale = tl.load(KS + page * stride_ksp + row * stride_kst + kvh * stride_ksh, mask=live, other=0.0)
+            score = score * (k_scale * score_scale)[None, :]
+            score = tl.where(live[None, :], score, float("-inf"))
+            # Probabilities relative to each row's largest score in this block, so that every row's
+            # largest is 1 and fp16 keeps its precision for blocks far below the running maximum;
+            # the block's weight relative to the running maximum multiplies the dot's result.
+            m_block = tl.max(score, 1)
+            m_new = tl.maximum(m, m_block)
+            alpha = tl.exp2(m - m_new)
+            weight = tl.exp2(m_block - m_new)
+            p = tl.exp2(score - m_block[:, None])
+            s = s * alpha + tl.sum(p, 1) * weight
+            v_scale = tl.load(VS + page * stride_vsp + row * stride_vst + kvh * stride_vsh, mask=live, other=0.0)
+            v_max = tl.max(v_scale, 0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            weight = weight * v_max
+            p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+            v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
+            if ASM:
+                pv_even = tl.dot(p, v_even)
+                pv_odd = tl.dot(p, v_odd)
+            else:
+                pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
+                pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
+            acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
+            acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+            m = m_new
+        if SINGLE:
+            o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
+            tl.store(o_ptr, (acc_even / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+            tl.store(o_ptr + 1, (acc_odd / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        else:
+            o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
+            tl.store(o_ptr, acc_even / s[:, None], mask=mask_h[:, None])
+            tl.store(o_ptr + 1, acc_odd / s[:, None], mask=mask_h[:, None])
+            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+
+
+@triton.jit
 def _merge_splits(
     MID_O, MID_LSE, LENS, OUT,
     tokens_per_split,
@@ -292,19 +434,62 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v
     return page_size, heads, head_dim
 
 
-def split_plan(batch: int, kv_heads: int, max_tokens: int, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
-    """(splits, tokens per split) for sequences of up to `max_tokens` tokens.
+def _word_views(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V fp8 pages as int16 words of two values (strides halve), or None where their strides
+    or offsets are odd in bytes (then the pages are read byte by byte)."""
+    try:
+        return k_pages.view(torch.int16), v_pages.view(torch.int16)
+    except RuntimeError:
+        return None
 
-    Tokens per split are a multiple of `block_n`, so no split starts inside a block.
-    """
-    if num_splits is None:
-        wanted = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
-        num_splits = max(1, min(wanted, max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    per_split = -(-max_tokens // num_splits)
+
+def wave_slots(device: torch.device | None = None) -> int:
+    """Programs of the default configs that run at once on `device` (its SMs x PROGRAMS_PER_SM)."""
+    if device is None or device.type != "cuda":
+        return DEFAULT_SMS * PROGRAMS_PER_SM
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _cut(max_tokens: int, wanted: int, block_n: int) -> tuple[int, int]:
+    per_split = -(-max_tokens // wanted)
     per_split = max(block_n, -(-per_split // block_n) * block_n)
     return -(-max_tokens // per_split), per_split
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned(units: int, max_tokens: int, block_n: int, slots: int) -> tuple[int, int]:
+    most = max(1, min(max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    best, best_fill = _cut(max_tokens, 1, block_n), 0.0
+    for wanted in range(1, most + 1):
+        plan = _cut(max_tokens, wanted, block_n)
+        waves = units * plan[0] / slots
+        fill = waves / math.ceil(waves)
+        if fill >= WAVE_FILL:
+            return plan
+        if fill > best_fill + 1e-9:
+            best, best_fill = plan, fill
+    return best
+
+
+def split_plan(
+    batch: int, kv_heads: int, max_tokens: int, block_n: int, num_splits: int | None = None, slots: int | None = None
+) -> tuple[int, int]:
+    """(splits, tokens per split) for sequences of up to `max_tokens` tokens.
+
+    By default the fewest splits whose programs (batch x kv_heads x splits) fill their last wave of
+    `slots` (default: wave_slots() of a machine without CUDA) at least WAVE_FILL, else the plan
+    that fills it best. Tokens per split are a multiple of `block_n`, so no split starts inside a block.
+    """
+    if num_splits is None:
+        return _planned(batch * kv_heads, max_tokens, block_n, slots or wave_slots())
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    return _cut(max_tokens, num_splits, block_n)
 
 
 def paged_decode_attention(
@@ -324,7 +509,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    fp8_dot: str = "query",
+    fp8_dot: str = "pairs",
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -333,14 +518,17 @@ def paged_decode_attention(
     (pages, *scale_shape) of granularity `scale`). page_table: int32 (batch, max_pages) of page
     indexes, entries past a sequence's last page unread. seq_lens: int32 (batch,), each >= 1
     and <= max_pages * page_size (not checked here: it would cost a device sync).
-    Query head h reads kv head h // (q_heads // kv_heads). `num_splits` (default: enough
-    programs to fill an H200) cuts each sequence into that many KV ranges, merged after.
-    fp8_dot: with fp8 pages, the dtype both dots run in: "query" (default: pages converted to q's
-    dtype, as 16-bit pages are read) or "fp16" (see _decode_split's F16).
+    Query head h reads kv head h // (q_heads // kv_heads). `num_splits` (default: split_plan's,
+    the fewest that fill the device's waves of programs) cuts each sequence into that many KV
+    ranges, merged after.
+    fp8_dot: how the dots read fp8 pages: "pairs" (default: 16-bit words of two values, fp16
+    dots; see _decode_split_pairs; pages whose strides or offset are odd in bytes are read as
+    under "query"), "query" (pages converted to q's dtype, as 16-bit pages are read) or "fp16"
+    (see _decode_split's F16).
     block_n: KV tokens a program reads per step (default BLOCK_N: 128 for fp8 pages, 64 for
-    16-bit pages). The defaults are the fastest of a 30-configuration search on an H200 at batch
-    16 x 16k tokens (BENCHMARKS.md): fp8 pages 2.05 TB/s with (128, 4 warps, 2 stages, "query")
-    against 1.76 with the best "fp16" configuration and 1.13 with (64, 4, 2, "fp16").
+    16-bit pages). The defaults are the fastest of configuration searches on an H200 at batch
+    16 x 16k tokens (BENCHMARKS.md): fp8 pages 3.13 TB/s with (128, 4 warps, 2 stages, "pairs")
+    against 2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
     Returns `out` (q's dtype or float32; a new tensor of q's dtype when None).
     """
     page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
@@ -362,7 +550,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     max_tokens = page_table.shape[1] * page_size
-    splits, per_split = split_plan(batch, heads, max_tokens, block_n, num_splits)
+    splits, per_split = split_plan(batch, heads, max_tokens, block_n, num_splits, wave_slots(q.device))
     single = splits == 1
     mid_shape = (1, 1, 1) if single else (batch, q_heads, splits)
     mid_o = torch.empty((*mid_shape, head_dim), dtype=torch.float32, device=q.device)
@@ -377,13 +565,22 @@ def paged_decode_attention(
     vs_strides = _scale_strides(v_scales, scale, layout) if scaled else (0, 0, 0)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    _decode_split[(batch, heads, splits)](
+    words = _word_views(k_pages, v_pages) if fp8 and fp8_dot == "pairs" else None
+    if words is not None:
+        k_arg, v_arg = words
+    kernel = _decode_split_pairs if words is not None else _decode_split
+    flags = (
+        dict(FP8=fp8, ASM=not INTERPRETED)
+        if words is not None
+        else dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
+    )
+    kernel[(batch, heads, splits)](
         q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out,
         sm_scale * LOG2E,
         per_split,
         q.stride(0), q.stride(1),
-        *_plane_strides(k_pages, layout),
-        *_plane_strides(v_pages, layout),
+        *_plane_strides(k_arg, layout),
+        *_plane_strides(v_arg, layout),
         *ks_strides,
         *vs_strides,
         page_table.stride(0),
@@ -395,11 +592,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
-        FP8=fp8,
-        SCALED=scaled,
-        F16=bool(fp8) and fp8_dot == "fp16",
-        DOT_F32=INTERPRETED,
         SINGLE=single,
+        **flags,
         num_warps=num_warps,
         num_stages=num_stages,
     )
