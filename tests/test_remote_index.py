@@ -195,3 +195,71 @@ def test_reservations_of_a_killed_process_are_reclaimed(tmp_path):
     assert index.stats(NS_A) == exact_counts(index, NS_A)
     assert exact_counts(index, NS_A)["free_slots"] == 7
     assert reserve(index, 7).slots == [SlotRef(1, i) for i in range(7)]  # reused, no new slots
+
+
+def test_a_read_in_progress_does_not_hold_up_another_threads_read(tmp_path):
+    """A match asks the index beside a loader's lookups: a read stalled inside SQLite (a progress
+    handler that waits) leaves other threads' reads free to run on a reader connection of their own."""
+    import threading
+
+    index = open_index(tmp_path)
+    keys = fill(index, NS_A, [f"k{i}" for i in range(64)])
+    entered, release = threading.Event(), threading.Event()
+    stalled = []
+
+    def stall():
+        if threading.current_thread().name == "stalled-reader":
+            entered.set()
+            release.wait(30)
+        return 0
+
+    index._reader.set_progress_handler(stall, 1)
+    reader = threading.Thread(target=lambda: stalled.append(index.present(NS_A, keys, PAGE)), name="stalled-reader")
+    reader.start()
+    try:
+        assert entered.wait(30), "the first read never reached SQLite"
+        answers = []
+        other = threading.Thread(target=lambda: answers.append((
+            index.present(NS_A, keys[:16], PAGE), index.lookup(NS_A, keys[:4]), index.stats(NS_A)["pages"])))
+        other.start()
+        other.join(30)
+        assert not other.is_alive(), "a read waited for another thread's read"
+        present, located, pages = answers[0]
+        assert present == [True] * 16 and all(loc is not None for loc in located) and pages == 64
+        assert not stalled  # the first read is still inside SQLite
+    finally:
+        release.set()
+        reader.join(30)
+    assert stalled == [[True] * 64]
+    assert len(index._all_readers) == 2  # one more connection, kept for later reads
+    index._reader.set_progress_handler(None, 1)
+    index.close()
+
+
+def test_readers_on_many_threads_beside_a_writer_see_every_published_page(tmp_path):
+    import threading
+
+    index = open_index(tmp_path)
+    stable = fill(index, NS_A, [f"s{i}" for i in range(200)])
+    stop, wrong, reads = threading.Event(), [], [0]
+
+    def read():
+        while not stop.is_set():
+            if index.present(NS_A, stable, PAGE) != [True] * len(stable):
+                wrong.append("present")
+            if any(loc is None for loc in index.lookup(NS_A, stable[:32])):
+                wrong.append("lookup")
+            reads[0] += 1
+
+    threads = [threading.Thread(target=read) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for round_ in range(20):
+        fill(index, NS_B, [f"w{round_}-{i}" for i in range(50)])
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not wrong and reads[0] > 0
+    assert index.stats(NS_B)["pages"] == 1000
+    assert len(index._all_readers) <= 7
+    index.close()

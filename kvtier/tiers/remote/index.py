@@ -235,7 +235,12 @@ class RemoteIndex:
         self.reservation_lease_s = reservation_lease_s
         self.longest_hold_s = self.longest_hold_cpu_s = 0.0
         self._lock = threading.Lock()
-        self._read_lock = threading.Lock()
+        # Reads never wait for another thread's read: each takes an idle reader connection (WAL
+        # mode lets connections read at once) and one more is opened when all are busy.
+        self._readers_lock = threading.Lock()
+        self._idle_readers: list[sqlite3.Connection] = []
+        self._all_readers: list[sqlite3.Connection] = []
+        self._busy_timeout_s = busy_timeout_s
         self._pending_touches: list[tuple[bytes, bytes]] = []
         self._oldest_touch = 0.0
         self._last_reclaim = 0.0
@@ -250,8 +255,8 @@ class RemoteIndex:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA wal_autocheckpoint=0")
             self._create_or_check_schema()
-            self._reader = self._connect(busy_timeout_s)
-            self._reader.execute("PRAGMA query_only=1")
+            self._reader = self._open_reader()
+            self._idle_readers.append(self._reader)
             self._checkpointer = self._connect(busy_timeout_s)
         except sqlite3.DatabaseError as exc:
             self._close_connections()
@@ -274,9 +279,36 @@ class RemoteIndex:
         db.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
         return db
 
+    def _open_reader(self) -> sqlite3.Connection:
+        db = self._connect(self._busy_timeout_s)
+        try:
+            db.execute("PRAGMA query_only=1")
+        except BaseException:
+            db.close()
+            raise
+        with self._readers_lock:
+            self._all_readers.append(db)
+        return db
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """A reader connection for this thread alone during one read: an idle one (the most
+        recently used, so one thread keeps reusing one), else a new one kept for later reads."""
+        with self._readers_lock:
+            db = self._idle_readers.pop() if self._idle_readers else None
+        if db is None:
+            db = self._open_reader()
+        try:
+            yield db
+        finally:
+            with self._readers_lock:
+                self._idle_readers.append(db)
+
     def _close_connections(self) -> None:
         self._background.shutdown(wait=True)
-        for db in (self._db, self._reader, self._checkpointer):
+        with self._readers_lock:
+            readers, self._all_readers, self._idle_readers = self._all_readers, [], []
+        for db in (self._db, self._checkpointer, *readers):
             if db is not None:
                 db.close()
 
@@ -308,7 +340,10 @@ class RemoteIndex:
 
     def set_busy_timeout(self, seconds: float) -> None:
         """How long a transaction waits for another process's write lock."""
-        for db in (self._db, self._reader, self._checkpointer):
+        with self._readers_lock:
+            self._busy_timeout_s = seconds
+            readers = list(self._all_readers)
+        for db in (self._db, self._checkpointer, *readers):
             db.execute(f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}")
 
     # ----------------------------------------------------------------- transactions
@@ -420,8 +455,8 @@ class RemoteIndex:
         found: dict[bytes, PageLocation] = {}
         for start in range(0, len(keys), _SQL_CHUNK):
             chunk = list(dict.fromkeys(keys[start : start + _SQL_CHUNK]))
-            with self._read_lock:
-                rows = self._reader.execute(
+            with self._reading() as reader:
+                rows = reader.execute(
                     f"SELECT key, seg, slot, length, crc, token FROM pages "
                     f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
                     (ns, *chunk),
@@ -435,8 +470,8 @@ class RemoteIndex:
         found: set[bytes] = set()
         for start in range(0, len(keys), _SQL_CHUNK):
             chunk = keys[start : start + _SQL_CHUNK]
-            with self._read_lock:
-                rows = self._reader.execute(
+            with self._reading() as reader:
+                rows = reader.execute(
                     f"SELECT key FROM pages WHERE ns = ? AND length = ? "
                     f"AND key IN ({','.join('?' * len(chunk))})",
                     (ns, length, *chunk),
@@ -446,8 +481,8 @@ class RemoteIndex:
 
     def segment(self, seg: int) -> tuple[int, int]:
         """(slot_stride, nslots) of segment ``seg``."""
-        with self._read_lock:
-            row = self._reader.execute(
+        with self._reading() as reader:
+            row = reader.execute(
                 "SELECT slot_stride, nslots FROM segments WHERE id = ?", (seg,)
             ).fetchone()
         if row is None:
@@ -509,8 +544,7 @@ class RemoteIndex:
     def stats(self, ns: bytes) -> dict[str, int]:
         """Page counts and bytes of namespace ``ns`` and of the whole store, from counters the
         writes keep (a few rows read, whatever the store holds)."""
-        with self._read_lock:
-            db = self._reader
+        with self._reading() as db:
             db.execute("BEGIN")
             try:
                 meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('pages', 'used_bytes')"))
