@@ -240,7 +240,9 @@ def _decode_split_pairs(
     at the store). Converting in place of the loaded words lets the tiles reach the dots through
     ldmatrix, where bytes converted to bf16 are restaged one by one (sm90, Triton 3.6). The dots run
     in fp16 with the fp16 path's scaling: the query by a power of two into fp16's range, each block's
-    probabilities times V's scales divided by the block's largest scale.
+    probabilities taken relative to the row's largest score in the block and times V's scales
+    divided by the block's largest scale (both factors come back in fp32). Needs head_dim >= 32
+    (each dot's inner dimension, head_dim / 2, at least 16).
     """
     HALF_D: tl.constexpr = HEAD_DIM // 2
     b = tl.program_id(0)
@@ -522,8 +524,8 @@ def paged_decode_attention(
     the fewest that fill the device's waves of programs) cuts each sequence into that many KV
     ranges, merged after.
     fp8_dot: how the dots read fp8 pages: "pairs" (default: 16-bit words of two values, fp16
-    dots; see _decode_split_pairs; pages whose strides or offset are odd in bytes are read as
-    under "query"), "query" (pages converted to q's dtype, as 16-bit pages are read) or "fp16"
+    dots; see _decode_split_pairs; pages whose strides or offset are odd in bytes, and head_dim
+    16, are read as under "query"), "query" (pages converted to q's dtype, as 16-bit pages are read) or "fp16"
     (see _decode_split's F16).
     block_n: KV tokens a program reads per step (default BLOCK_N: 128 for fp8 pages, 64 for
     16-bit pages). The defaults are the fastest of configuration searches on an H200 at batch
@@ -565,7 +567,7 @@ def paged_decode_attention(
     vs_strides = _scale_strides(v_scales, scale, layout) if scaled else (0, 0, 0)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    words = _word_views(k_pages, v_pages) if fp8 and fp8_dot == "pairs" else None
+    words = _word_views(k_pages, v_pages) if fp8 and fp8_dot == "pairs" and head_dim >= 2 * MIN_DOT else None
     if words is not None:
         k_arg, v_arg = words
     kernel = _decode_split_pairs if words is not None else _decode_split
