@@ -13,6 +13,7 @@ import pytest
 from kvtier.index.keys import key_ids
 from kvtier.tiers.remote import StoreVersionMismatch
 from kvtier.tiers.remote.index import (
+    MAX_READERS,
     ROWS_PER_TRANSACTION,
     PublishEntry,
     RemoteIndex,
@@ -261,5 +262,44 @@ def test_readers_on_many_threads_beside_a_writer_see_every_published_page(tmp_pa
         t.join(60)
     assert not wrong and reads[0] > 0
     assert index.stats(NS_B)["pages"] == 1000
-    assert len(index._all_readers) <= 7
+    # Six reading threads and the writer's stats share at most MAX_READERS connections.
+    assert 1 <= len(index._all_readers) <= MAX_READERS and None not in index._all_readers
     index.close()
+
+
+def test_reads_beyond_max_readers_wait_for_a_free_connection(tmp_path):
+    """MAX_READERS connections bound the index's memory (each caches up to CACHE_KIB): with all of
+    them held by reads in progress, one more read waits, and runs once one comes free."""
+    import contextlib
+    import threading
+
+    index = open_index(tmp_path)
+    keys = fill(index, NS_A, [f"k{i}" for i in range(32)])
+    release = threading.Event()
+    holding = threading.Barrier(MAX_READERS + 1)
+
+    def hold():
+        with index._reading():
+            holding.wait(30)
+            release.wait(30)
+
+    holders = [threading.Thread(target=hold) for _ in range(MAX_READERS)]
+    for t in holders:
+        t.start()
+    holding.wait(30)
+    answers = []
+    late = threading.Thread(target=lambda: answers.append(index.present(NS_A, keys, PAGE)))
+    late.start()
+    late.join(0.5)
+    try:
+        assert late.is_alive() and not answers, "a read past MAX_READERS opened another connection"
+        assert len(index._all_readers) == MAX_READERS
+    finally:
+        release.set()
+        for t in holders:
+            t.join(30)
+        late.join(30)
+    assert answers == [[True] * 32]
+    assert len(index._all_readers) == MAX_READERS
+    with contextlib.closing(index):
+        assert index.present(NS_A, keys[:3], PAGE) == [True] * 3

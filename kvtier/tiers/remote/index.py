@@ -83,6 +83,9 @@ RECLAIM_INTERVAL_S = 30.0
 ROWS_PER_TRANSACTION = 256
 STEP_ROWS = 16
 CACHE_KIB = 64 << 10
+# Reader connections an index opens at most (each may cache up to CACHE_KIB of the database):
+# reads beyond that many at once wait for one to come free.
+MAX_READERS = 4
 TRANSACTION_BUDGET_S = 0.002
 CHECKPOINT_EVERY_TRANSACTIONS = 64
 CHECKPOINT_EVERY_S = 1.0
@@ -237,7 +240,7 @@ class RemoteIndex:
         self._lock = threading.Lock()
         # Reads never wait for another thread's read: each takes an idle reader connection (WAL
         # mode lets connections read at once) and one more is opened when all are busy.
-        self._readers_lock = threading.Lock()
+        self._readers_lock = threading.Condition(threading.Lock())
         self._idle_readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
         self._busy_timeout_s = busy_timeout_s
@@ -279,7 +282,9 @@ class RemoteIndex:
         db.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
         return db
 
-    def _open_reader(self) -> sqlite3.Connection:
+    def _open_reader(self, placeholder: bool = False) -> sqlite3.Connection:
+        """A new read-only connection, listed for closing (in place of a None the caller listed
+        when `placeholder`)."""
         db = self._connect(self._busy_timeout_s)
         try:
             db.execute("PRAGMA query_only=1")
@@ -287,22 +292,39 @@ class RemoteIndex:
             db.close()
             raise
         with self._readers_lock:
-            self._all_readers.append(db)
+            if placeholder:
+                self._all_readers[self._all_readers.index(None)] = db
+            else:
+                self._all_readers.append(db)
         return db
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
         """A reader connection for this thread alone during one read: an idle one (the most
-        recently used, so one thread keeps reusing one), else a new one kept for later reads."""
+        recently used, so one thread keeps reusing one), else a new one kept for later reads,
+        else (MAX_READERS open and busy) the first to come free."""
+        db = None
         with self._readers_lock:
-            db = self._idle_readers.pop() if self._idle_readers else None
+            while not self._idle_readers and len(self._all_readers) >= MAX_READERS:
+                self._readers_lock.wait()
+            if self._idle_readers:
+                db = self._idle_readers.pop()
+            else:
+                self._all_readers.append(None)  # the place of the one opened below, outside the lock
         if db is None:
-            db = self._open_reader()
+            try:
+                db = self._open_reader(placeholder=True)
+            except BaseException:
+                with self._readers_lock:
+                    self._all_readers.remove(None)
+                    self._readers_lock.notify()
+                raise
         try:
             yield db
         finally:
             with self._readers_lock:
                 self._idle_readers.append(db)
+                self._readers_lock.notify()
 
     def _close_connections(self) -> None:
         self._background.shutdown(wait=True)
@@ -342,7 +364,7 @@ class RemoteIndex:
         """How long a transaction waits for another process's write lock."""
         with self._readers_lock:
             self._busy_timeout_s = seconds
-            readers = list(self._all_readers)
+            readers = [db for db in self._all_readers if db is not None]
         for db in (self._db, self._checkpointer, *readers):
             db.execute(f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}")
 
