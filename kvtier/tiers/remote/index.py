@@ -239,7 +239,8 @@ class RemoteIndex:
         self.longest_hold_s = self.longest_hold_cpu_s = 0.0
         self._lock = threading.Lock()
         # Reads never wait for another thread's read: each takes an idle reader connection (WAL
-        # mode lets connections read at once) and one more is opened when all are busy.
+        # mode lets connections read at once) and one more is opened when all are busy, up to
+        # MAX_READERS.
         self._readers_lock = threading.Condition(threading.Lock())
         self._idle_readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
@@ -292,11 +293,14 @@ class RemoteIndex:
             db.close()
             raise
         with self._readers_lock:
-            if placeholder:
-                self._all_readers[self._all_readers.index(None)] = db
-            else:
+            if not placeholder:
                 self._all_readers.append(db)
-        return db
+                return db
+            if None in self._all_readers:
+                self._all_readers[self._all_readers.index(None)] = db
+                return db
+        db.close()  # the index closed meanwhile
+        raise RuntimeError(f"store index {self.path} is closed")
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
@@ -316,7 +320,8 @@ class RemoteIndex:
                 db = self._open_reader(placeholder=True)
             except BaseException:
                 with self._readers_lock:
-                    self._all_readers.remove(None)
+                    if None in self._all_readers:
+                        self._all_readers.remove(None)
                     self._readers_lock.notify()
                 raise
         try:
