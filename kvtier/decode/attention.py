@@ -72,6 +72,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _fp16_query_powers(q_max, qk_scale):
+    """(score scale, query factor) for dots in fp16: the query times the factor, a power of two,
+    puts its largest element |q_max| in [2^13, 2^14) (exact), and the score scale takes it back."""
+    # Biased exponent e of q_max, clamped so that both powers of two below are normal.
+    e = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, 14), 254)
+    return qk_scale * ((e - 13) << 23).to(tl.float32, bitcast=True), ((267 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_split(
     Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
     qk_scale,
@@ -120,11 +130,8 @@ def _decode_split(
         score_scale = qk_scale
         if F16:
             q32 = q.to(tl.float32)
-            # Biased exponent e of max|q|, clamped so that both powers of two below are normal.
-            e = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            e = tl.minimum(tl.maximum(e, 14), 254)
-            score_scale = qk_scale * ((e - 13) << 23).to(tl.float32, bitcast=True)  # 2^(e-127-13)
-            q = (q32 * ((267 - e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)  # times 2^-(e-127-13)
+            score_scale, q_factor = _fp16_query_powers(tl.max(tl.max(tl.abs(q32), 1), 0), qk_scale)
+            q = (q32 * q_factor).to(tl.float16)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -260,12 +267,9 @@ def _decode_split_pairs(
         q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
         q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
         q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
-        # Biased exponent e of max|q|, clamped so that both powers of two below are normal.
-        e = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        e = tl.minimum(tl.maximum(e, 14), 254)
-        score_scale = qk_scale * ((e - 13) << 23).to(tl.float32, bitcast=True)  # 2^(e-127-13)
-        q_even = (q_even * ((267 - e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-        q_odd = (q_odd * ((267 - e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        score_scale, q_factor = _fp16_query_powers(q_max, qk_scale)
+        q_even = (q_even * q_factor).to(tl.float16)
+        q_odd = (q_odd * q_factor).to(tl.float16)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_H], tl.float32)
         acc_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
@@ -559,8 +563,6 @@ def paged_decode_attention(
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     scaled = scale != "none"
     fp8 = FP8_KINDS.get(k_pages.dtype, 0)
-    k_arg = k_pages.view(torch.uint8) if fp8 else k_pages
-    v_arg = v_pages.view(torch.uint8) if fp8 else v_pages
     ks_arg = k_scales if scaled else mid_lse
     vs_arg = v_scales if scaled else mid_lse
     ks_strides = _scale_strides(k_scales, scale, layout) if scaled else (0, 0, 0)
@@ -570,6 +572,10 @@ def paged_decode_attention(
     words = _word_views(k_pages, v_pages) if fp8 and fp8_dot == "pairs" and head_dim >= 2 * MIN_DOT else None
     if words is not None:
         k_arg, v_arg = words
+    elif fp8:
+        k_arg, v_arg = k_pages.view(torch.uint8), v_pages.view(torch.uint8)
+    else:
+        k_arg, v_arg = k_pages, v_pages
     kernel = _decode_split_pairs if words is not None else _decode_split
     flags = (
         dict(FP8=fp8, ASM=not INTERPRETED)
