@@ -177,16 +177,21 @@ def test_every_fp8_dot_mode_matches_float64_reference(dtype, scale, layout, fp8_
     assert_close_to_reference(out, args, torch.bfloat16 if fp8_dot == "query" else torch.float16)
 
 
-def test_pairs_with_head_dim_16_read_pages_as_query_does():
-    """head_dim 16 leaves the pairs' dots an inner dimension of 8, under tl.dot's 16: read as "query"."""
-    args = make_case(801, "fp8_e4m3", "per_token_head", "nhd", head_dim=16, page_size=16, max_len=90, group=4)
+def assert_pairs_read_as_query_does(inputs: dict, args: dict) -> None:
+    """fp8_dot="pairs" over `inputs` gives exactly "query"'s output, and that is close to the reference of `args`."""
     outs = []
     for fp8_dot in ("pairs", "query"):
         out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
-        paged_decode_attention(**args, out=out, num_splits=2, block_n=32, fp8_dot=fp8_dot)
+        paged_decode_attention(**inputs, out=out, num_splits=2, block_n=32, fp8_dot=fp8_dot)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert_close_to_reference(outs[0], args)
+
+
+def test_pairs_with_head_dim_16_read_pages_as_query_does():
+    """head_dim 16 leaves the pairs' dots an inner dimension of 8, under tl.dot's 16: read as "query"."""
+    args = make_case(801, "fp8_e4m3", "per_token_head", "nhd", head_dim=16, page_size=16, max_len=90, group=4)
+    assert_pairs_read_as_query_does(args, args)
 
 
 def test_pairs_read_pages_at_odd_byte_offsets():
@@ -201,13 +206,7 @@ def test_pairs_read_pages_at_odd_byte_offsets():
         view.copy_(pages)
         odd[name] = view
     assert odd["k_pages"].storage_offset() % 2 == 1
-    outs = []
-    for fp8_dot in ("pairs", "query"):
-        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
-        paged_decode_attention(**odd, out=out, num_splits=2, block_n=32, fp8_dot=fp8_dot)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert_close_to_reference(outs[0], args)
+    assert_pairs_read_as_query_does(odd, args)
 
 
 @pytest.mark.parametrize("dtype,scale", [("bf16", "none"), ("fp8_e4m3", "per_token_head")])
