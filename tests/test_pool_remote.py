@@ -1,5 +1,7 @@
 """TieredPool with the remote tier: real NIXL, real files."""
 
+import time
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -156,9 +158,14 @@ def test_a_caller_owned_store_must_match_the_pool(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("slow_writes", [False, True], ids=["", "slow_writes"])
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_threads_with_a_remote_tier_never_lose_or_mix_pages(tmp_path, policy):
+def test_threads_with_a_remote_tier_never_lose_or_mix_pages(tmp_path, policy, slow_writes):
     pool = make_pool(tmp_path, write_policy=policy, device_pages=64, host_pages=96)
+    if slow_writes:
+        # Every remote write takes 200 ms more (a slow disk): loads wait for host room while
+        # backups are in flight and must sleep until one lands, not retry on a timer and give up.
+        pool.remote.faults.mid_request = lambda op: time.sleep(0.2) if op == "WRITE" else None
     loaded = run_stress(pool, threads=4, iterations=25, lossless=True)
     assert loaded >= 4 * 25  # every iteration of every thread loaded its pick
     assert pool.stats()["pages_moved"]["remote_to_host"] > 0

@@ -56,6 +56,7 @@ from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
 from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.remote_link import RemoteLink
 from kvtier.pool.room import TierRoom
+from kvtier.pool.signal import ChangeSignal
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
 
@@ -69,7 +70,9 @@ Key = str | bytes
 log = logging.getLogger(__name__)
 
 COPY_PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
-_ROUNDS = 64  # a load re-plans at most this many times while other threads take its pages
+# A load that keeps waiting (every wait a real event: a fetch, a copy, a change) while other
+# threads take the room or pages it needs gives up after this long, with PoolExhausted.
+_LOAD_PATIENCE_S = 30.0
 # A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
@@ -185,7 +188,7 @@ class TieredPool(Movement, TierRoom):
         # Three conditions on the one lock, so that a thread is woken only for what it waits for:
         # callers waiting for progress (copies, remote jobs), the remote writer for backup work,
         # the offload thread for write-through copies to start.
-        self._changed = threading.Condition(self._lock)
+        self._changed = ChangeSignal(self._lock)
         self._backup_work = threading.Condition(self._lock)
         self._offload_work = threading.Condition(self._lock)
         self._inflight: list[tuple[Ticket, object]] = []  # engine copies: (ticket, finish)
@@ -633,8 +636,9 @@ class TieredPool(Movement, TierRoom):
         nothing held, when a key is in no tier."""
         dev_src: dict[int, int] = {}
         host_src: dict[int, int] = {}
+        deadline, rounds = None, 0
         try:
-            for _ in range(_ROUNDS):
+            while True:
                 with self._lock:
                     self._check_open()
                     self._reap()
@@ -648,7 +652,15 @@ class TieredPool(Movement, TierRoom):
                         return dev_src, host_src
                 for wait in waits:
                     wait()
-            raise RuntimeError(f"load: other threads kept evicting these pages for {_ROUNDS} rounds")
+                rounds += 1
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + _LOAD_PATIENCE_S
+                elif now > deadline:
+                    raise PoolExhausted(
+                        f"load: other threads kept taking the room or pages these {len(ids)} keys need "
+                        f"for {_LOAD_PATIENCE_S:g} s ({rounds} waits); raise host_pages or load fewer pages at once"
+                    )
         except BaseException:
             with self._lock:
                 self._dev.unhold_all(dev_src.values())

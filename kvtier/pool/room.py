@@ -63,11 +63,16 @@ class TierRoom:
             return self._inflight[0][0].synchronize
         if self._link is not None and (self._backups_in_flight or self._fetching or (
                 len(self._backup_queue) and self._breaker.wait_s() < float("inf"))):
-            timeout = min(1.0, max(0.001, self._breaker.wait_s()))
+            # Remote jobs notify `_changed` when they land; a queue waiting out the breaker wakes
+            # when it may retry. Woken only by a change after this point (never a lost wake-up),
+            # so a caller's retries follow real events, not a timer.
+            retry_in = self._breaker.wait_s() if self._backup_queue else 0.0
+            timeout = min(1.0, max(0.001, retry_in)) if retry_in > 0 else 1.0
+            generation = self._changed.generation
 
             def wait() -> None:
                 with self._lock:
-                    self._changed.wait(timeout)
+                    self._changed.wait_past(generation, timeout)
 
             return wait
         return None
