@@ -73,6 +73,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 from kvtier.tiers.remote.errors import StoreCorrupt, StoreVersionMismatch
+from kvtier.tiers.remote.presence import RECHECK_S, PresenceCache
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class RemoteIndex:
         reuse_delay_s: float,
         reservation_lease_s: float,
         busy_timeout_s: float,
+        presence_recheck_s: float = RECHECK_S,
     ):
         self.path = path
         self.directory = os.path.dirname(path)
@@ -246,6 +248,12 @@ class RemoteIndex:
         self._all_readers: list[sqlite3.Connection] = []
         self._busy_timeout_s = busy_timeout_s
         self._pending_touches: list[tuple[bytes, bytes]] = []
+        # `present` answers keys a read found published from memory (see presence.py); the
+        # write transaction in progress lists the pages it removes, and counts its bumps of
+        # meta.removals, for the cache to drop once it commits.
+        self.presence = PresenceCache(presence_recheck_s)
+        self._txn_removed: list[tuple[bytes, bytes]] = []
+        self._txn_bumps = 0
         self._oldest_touch = 0.0
         self._last_reclaim = 0.0
         self._background = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-index")
@@ -348,7 +356,7 @@ class RemoteIndex:
                         db.execute(statement)
                 db.execute(
                     "INSERT INTO meta VALUES ('schema_version', ?), ('clock', 0), "
-                    "('used_bytes', 0), ('pages', 0)",
+                    "('used_bytes', 0), ('pages', 0), ('removals', 0)",
                     (SCHEMA_VERSION,),
                 )
                 return
@@ -364,6 +372,8 @@ class RemoteIndex:
                     f"store's pages cannot be served. Move or delete {self.directory} (or give "
                     "the pool another directory) to start an empty store there."
                 )
+            # An index written before the removal counter existed (same schema otherwise).
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('removals', 0)")
 
     def set_busy_timeout(self, seconds: float) -> None:
         """How long a transaction waits for another process's write lock."""
@@ -382,8 +392,10 @@ class RemoteIndex:
         with self._lock:
             start, cpu = time.monotonic(), time.thread_time()
             self._db.execute("BEGIN IMMEDIATE")
+            self._txn_removed, self._txn_bumps = [], 0
             try:
                 yield self._db
+                removals = self._meta(self._db, "removals") if self._txn_bumps else 0
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:
@@ -392,6 +404,8 @@ class RemoteIndex:
             finally:
                 self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - start)
                 self.longest_hold_cpu_s = max(self.longest_hold_cpu_s, time.thread_time() - cpu)
+            if self._txn_bumps:
+                self.presence.removed(removals, self._txn_bumps, self._txn_removed)
             self._since_checkpoint += 1
             if not self._checkpoint_pending and (
                 self._since_checkpoint >= CHECKPOINT_EVERY_TRANSACTIONS
@@ -475,6 +489,9 @@ class RemoteIndex:
         db.executemany("DELETE FROM pages WHERE ns = ? AND key = ?", [r[:2] for r in rows])
         self._free(db, [(r[2], r[3]) for r in rows], now)
         self._count_pages(db, ((r[0], r[4]) for r in rows), -1)
+        self._add_meta(db, "removals", 1)  # every process's presence cache learns of it
+        self._txn_bumps += 1
+        self._txn_removed.extend((r[0], r[1]) for r in rows)
 
     # ----------------------------------------------------------------- reads
     def lookup(self, ns: bytes, keys: Sequence[bytes]) -> list[Optional[PageLocation]]:
@@ -493,17 +510,32 @@ class RemoteIndex:
         return [found.get(key) for key in keys]
 
     def present(self, ns: bytes, keys: Sequence[bytes], length: int) -> list[bool]:
-        """Whether each key has a published page of ``length`` bytes in ``ns`` (no locations)."""
+        """Whether each key has a published page of ``length`` bytes in ``ns`` (no locations).
+        Keys a read found published are answered from memory (``presence``) while no process
+        has removed pages since, checked at least every ``presence.recheck_s``."""
+        known = self.presence.answer(ns, length, keys)
+        if known is not None:
+            return known
         found: set[bytes] = set()
-        for start in range(0, len(keys), _SQL_CHUNK):
-            chunk = keys[start : start + _SQL_CHUNK]
-            with self._reading() as reader:
+        removals = None
+        read_at = time.monotonic()
+        with self._reading() as reader:
+            for start in range(0, len(keys), _SQL_CHUNK):
+                chunk = keys[start : start + _SQL_CHUNK]
+                # One statement, one snapshot: the removal counter (key NULL) with the keys.
                 rows = reader.execute(
-                    f"SELECT key FROM pages WHERE ns = ? AND length = ? "
+                    f"SELECT NULL, value FROM meta WHERE name = 'removals' UNION ALL "
+                    f"SELECT key, 0 FROM pages WHERE ns = ? AND length = ? "
                     f"AND key IN ({','.join('?' * len(chunk))})",
                     (ns, length, *chunk),
                 ).fetchall()
-            found.update(row[0] for row in rows)
+                for key, value in rows:
+                    if key is None:
+                        removals = value if removals is None else removals
+                    else:
+                        found.add(key)
+        if removals is not None:
+            self.presence.learn(removals, read_at, ns, length, found)
         return [key in found for key in keys]
 
     def segment(self, seg: int) -> tuple[int, int]:

@@ -229,7 +229,11 @@ class RemoteStore:
     segment file; ``reuse_delay_s`` before a freed slot is rewritten; ``reservation_lease_s``
     after which another host's unpublished reservation is reclaimed; ``checksum_threads``
     (default ``min(4, cpus)``); ``pipeline_bytes`` per NIXL request; ``backend_params`` passed to
-    the NIXL backend; ``object_prefix`` names objects for ``backend="OBJ"``. Security:
+    the NIXL backend; ``object_prefix`` names objects for ``backend="OBJ"``;
+    ``presence_recheck_s``: ``contains`` answers keys it found published from memory while no
+    process has removed pages, and reads the index's removal counter at least this often, so a
+    page another process removed is reported present for at most this long (0: always ask the
+    index; pages this process removes are never reported). Security:
     ``shared_group``, ``allow_foreign_owner``, ``mac_key`` (see the module docstring).
     """
 
@@ -254,6 +258,7 @@ class RemoteStore:
         shared_group: bool = False,
         allow_foreign_owner: bool = False,
         mac_key: Optional[bytes] = None,
+        presence_recheck_s: float = 1.0,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
@@ -275,6 +280,9 @@ class RemoteStore:
             raise ValueError(f"checksum_threads {checksum_threads!r}; expected >= 1")
         if pipeline_bytes <= 0:
             raise ValueError(f"pipeline_bytes {pipeline_bytes!r}; expected > 0")
+        if isinstance(presence_recheck_s, bool) or not isinstance(presence_recheck_s, (int, float)) or not (
+                presence_recheck_s >= 0):
+            raise ValueError(f"presence_recheck_s {presence_recheck_s!r}; expected a number >= 0")
         self.namespace = namespace
         self.page_bytes = page_bytes
         self.high_watermark = high_watermark
@@ -309,6 +317,7 @@ class RemoteStore:
                 reuse_delay_s=reuse_delay_s,
                 reservation_lease_s=reservation_lease_s,
                 busy_timeout_s=timeout_s,
+                presence_recheck_s=presence_recheck_s,
             )
             self._index.reclaim()
             if self._engine.backend == "OBJ":
@@ -390,6 +399,7 @@ class RemoteStore:
                 counters = dict(self._counters)
             counters.update(self._index.stats(self._ns_fp))
         counters["capacity_bytes"] = self.capacity_bytes
+        counters["contains_from_memory"] = self._index.presence.hits
         return counters
 
     # ----------------------------------------------------------------- data path
