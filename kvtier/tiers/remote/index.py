@@ -507,6 +507,8 @@ class RemoteIndex:
                 ).fetchall()
             for key, seg, slot, length, crc, token in rows:
                 found[key] = PageLocation(seg, slot, length, crc, token)
+        if len(found) < len(keys):
+            self.presence.forget(ns, [key for key in keys if key not in found])
         return [found.get(key) for key in keys]
 
     def present(self, ns: bytes, keys: Sequence[bytes], length: int) -> list[bool]:

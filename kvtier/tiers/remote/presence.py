@@ -13,7 +13,8 @@ process runs it:
   that value is still the epoch: a page it saw cannot have been removed before that value;
 - once `recheck_s` has passed since the counter was last read, the next answer reads it again
   (one SQLite read) and empties the cache when it moved;
-- this process's own removals drop their keys and advance the epoch when they commit.
+- this process's own removals drop their keys and advance the epoch when they commit;
+- a lookup (the read of a page) that finds a key unpublished drops it, whatever the counter.
 So a page another process removed is answered "published" for at most `recheck_s`, the same
 advice a `match` already is (a page can leave before the `load` that follows, which then
 misses); pages this process removed, never. Misses are not cached: a page another process
@@ -89,6 +90,16 @@ class PresenceCache:
                     fresh = known.difference(gone)
                     self._size -= len(known) - len(fresh)
                     self._known[(ns, length)] = fresh
+
+    def forget(self, ns: bytes, keys: Sequence[bytes]) -> None:
+        """A read found `keys` of `ns` unpublished: never answer them from memory again (until
+        a read finds them published), whatever the counter says."""
+        with self._lock:
+            for (space, length), known in list(self._known.items()):
+                if space == ns and not known.isdisjoint(keys):
+                    fresh = known.difference(keys)
+                    self._size -= len(known) - len(fresh)
+                    self._known[(space, length)] = fresh
 
     def _reset(self, removals: int) -> None:
         self._epoch = removals
