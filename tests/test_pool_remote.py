@@ -1,8 +1,10 @@
 """TieredPool with the remote tier: real NIXL, real files."""
 
+import threading
 import time
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 pytest.importorskip("nixl_cu13")
@@ -212,3 +214,52 @@ def test_a_load_larger_than_the_host_tier_says_so(tmp_path, gen):
     handle.wait()
     assert len(handle.slots) == 4
     small.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_flush_beside_steady_commits_makes_what_was_dirty_durable_and_reports_no_failure(tmp_path, gen, policy, caplog):
+    pool = make_pool(tmp_path, write_policy=policy, device_pages=32, host_pages=64)
+    truth = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors = []
+
+    def committer(base):
+        try:
+            g = torch.Generator().manual_seed(base)
+            n = 0
+            while not stop.is_set():
+                keys = prefix_keys(list(range(base + 32 * n, base + 32 * n + 32)), 8, pool.namespace)
+                n += 1
+                slots = pool.allocate(len(keys))
+                fill_random(pool, slots, g)
+                pages = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+                pool.commit(keys, slots)
+                pool.release(slots)
+                with lock:
+                    truth.update(pages)  # listed once committed
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=committer, args=(base,)) for base in (0, 10**7)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(12):
+            time.sleep(0.02)
+            with lock:
+                before = list(truth)  # committed before this flush starts
+            with caplog.at_level("WARNING", logger="kvtier.pool.pool"):
+                assert pool.flush() == 0  # pages committed meanwhile are not failures
+            assert all(pool.remote.contains(before[-200:]))  # durable in the last tier
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert "could not be made durable" not in caplog.text
+    assert pool.flush() == 0
+    pool.evict(tier="device")
+    pool.evict(tier="host")
+    check(pool, list(truth)[-60:], truth)
+    pool.close()

@@ -833,12 +833,19 @@ class TieredPool(Movement, TierRoom):
         return self._flush(deadline=None)
 
     def _flush(self, deadline: float | None) -> int:
+        """Make durable the pages that are not when the flush starts (pages committed meanwhile
+        are copied too, but not waited for or counted: under steady commits a flush would
+        otherwise never see nothing left, and would report new pages as failures)."""
         keep = self.write_policy.copy_on_evict
-        dropped_before = self.counters.dropped.get("not_encodable", 0)
+        dropped = self.counters.dropped
+        dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
         last = None
+        owed = None  # key ids of the pages not durable when the flush started
         while True:
             with self._lock:
                 self._reap()
+                if owed is None:
+                    owed = self._not_durable_ids()
                 # Flush copies every dirty page itself (after the latest commit's event, which
                 # follows every queued batch's): the offload thread's queued batches go, or one
                 # would copy a page again after flush returned, once something made it dirty.
@@ -854,29 +861,35 @@ class TieredPool(Movement, TierRoom):
                     if len(self._backup_queue):
                         self._breaker.force_probe()
                         self._backup_work.notify()
-                left = self._not_durable()
             # Wait for everything this round started, then look again while that helps.
             self._wait_idle(deadline)
             with self._lock:
                 self._reap()
-                left = self._not_durable()
+                if owed:
+                    owed &= self._not_durable_ids()
+                left = len(owed)
                 stuck = last is not None and left >= last
             if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
                 break
             last = left
-        failed = left + self.counters.dropped.get("not_encodable", 0) - dropped_before
+        failed = left + dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
         if failed:
             log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
                         failed, dict(self.counters.remote_failures), self._breaker.last_error)
         return failed
 
-    def _not_durable(self) -> int:
+    def _not_durable_ids(self) -> set[bytes]:
+        """Key ids of the pages the write policy keeps that no last tier holds yet: dirty, or
+        being copied down. O(dirty pages); slots being copied are found with one vectorized
+        scan of the tier's states, only while copies are in flight."""
         keep = self.write_policy.copy_on_evict
-        dev, host = self._dev, self._host
-        left = sum(1 for s in dev.dirty if keep(dev.hits[s])) + dev.counts[S.OFFLOADING]
-        if self._link is not None:
-            left += sum(1 for s in host.dirty if keep(host.hits[s])) + host.counts[S.OFFLOADING]
-        return left
+        out: set[bytes] = set()
+        for index in (self._dev, self._host) if self._link is not None else (self._dev,):
+            id_of, hits = index.id_of, index.hits
+            out.update(id_of(s) for s in index.dirty if keep(hits[s]))
+            if index.counts[S.OFFLOADING]:
+                out.update(map(id_of, index.slots_in(S.OFFLOADING)))
+        return out
 
     def _wait_idle(self, deadline: float | None) -> None:
         """Wait outside the lock until no engine copy is in flight and the backup queue has
