@@ -263,6 +263,19 @@ def test_flush_counts_a_refused_page_as_not_durable(tmp_path, gen):
     pool.close()
 
 
+def test_close_counts_a_page_dropped_during_its_flush_once(tmp_path, gen):
+    fmt = small_format(device_dtype="bf16")
+    pool = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_back", registry=CollectorRegistry())
+    keys = prefix_keys(np.arange(8 * 4), 8, pool.namespace)
+    slots = pool.allocate(4)
+    fill_random(pool, slots, gen)
+    _poison_page(pool, slots[1])
+    pool.commit(keys, slots)
+    pool.release(slots)
+    assert pool.close() == 1  # refused by the copy down during close's flush
+    assert pool.stats()["dropped"] == {"not_encodable": 1}  # under its own reason, not also "close"
+
+
 def figures(root, batches: int = 150) -> dict:
     """Run the degraded-remote scenario for every fault kind and write policy and count what
     happened (`python tests/test_pool_faults.py` prints these for RELIABILITY.md)."""

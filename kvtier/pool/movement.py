@@ -196,6 +196,8 @@ class Movement:
                 finish()
             else:
                 self._inflight.append((ticket, finish))
+        if len(self._inflight) < len(inflight):  # slots came free: callers waiting for room look again
+            self._changed.notify_all()
 
     # --- internals: remote ---------------------------------------------------------------------
     def _next_backup(self):

@@ -673,6 +673,7 @@ class TieredPool(Movement, TierRoom):
         host.unhold_all(slots)
         host.set_states([s for s in slots if host.state[s] == S.LOADING and not host.busy[s]
                          and not host.table.holds_key(s)], S.FREE)
+        self._changed.notify_all()  # room for a caller waiting on `_progress_waiter`
 
     def _plan_sources(self, ids, dev_src: dict[int, int], host_src: dict[int, int]):
         """One round of `_secure_sources` under the lock: (things to wait for, indexes in no tier)."""
@@ -830,12 +831,13 @@ class TieredPool(Movement, TierRoom):
         because they could not be encoded): 0 unless a tier failed."""
         with self._lock:
             self._check_open()
-        return self._flush(deadline=None)
+        return sum(self._flush(deadline=None))
 
-    def _flush(self, deadline: float | None) -> int:
+    def _flush(self, deadline: float | None) -> tuple[int, int]:
         """Make durable the pages that are not when the flush starts (pages committed meanwhile
         are copied too, but not waited for or counted: under steady commits a flush would
-        otherwise never see nothing left, and would report new pages as failures)."""
+        otherwise never see nothing left, and would report new pages as failures). Returns
+        (pages still not durable, pages dropped meanwhile, already counted by their reason)."""
         keep = self.write_policy.copy_on_evict
         dropped = self.counters.dropped
         dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
@@ -872,11 +874,11 @@ class TieredPool(Movement, TierRoom):
             if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
                 break
             last = left
-        failed = left + dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
-        if failed:
+        gone = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
+        if left + gone:
             log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
-                        failed, dict(self.counters.remote_failures), self._breaker.last_error)
-        return failed
+                        left + gone, dict(self.counters.remote_failures), self._breaker.last_error)
+        return left, gone
 
     def _not_durable_ids(self) -> set[bytes]:
         """Key ids of the pages the write policy keeps that no last tier holds yet: dirty, or
@@ -924,10 +926,10 @@ class TieredPool(Movement, TierRoom):
             self._closing = True
         if self.remote is not None and hasattr(self.remote, "set_timeout"):
             self.remote.set_timeout(max(0.001, timeout_s / 2))
-        left = self._flush(deadline=deadline)
+        left, gone = self._flush(deadline=deadline)
         with self._lock:
             self._closed = True
-            if left:
+            if left:  # those dropped during the flush are counted under their own reason already
                 self.counters.dropped["close"] += left
                 log.warning("close: %d pages were not made durable and are gone", left)
             self._changed.notify_all()
@@ -946,7 +948,7 @@ class TieredPool(Movement, TierRoom):
                     self.remote.close()
         self.host_tier.close()
         unregister_pool(self._registry, self)
-        return left
+        return left + gone
 
     def latency_snapshot(self) -> dict[str, tuple[list[int], float]]:
         """Bucket counts and sums of the call and remote-job latency histograms (for the exporter)."""
