@@ -245,3 +245,18 @@ def test_a_lookup_that_finds_a_key_gone_drops_it_whatever_the_counter(tmp_path):
     assert index.present(NS_A, keys, PAGE) == [True, False, True]
     assert index.present(NS_A, keys[::2], PAGE) == [True, True]
     index.close()
+
+
+def test_the_cache_holds_at_most_its_capacity(tmp_path):
+    index = open_index(tmp_path)
+    index.presence.capacity = 10
+    keys = fill(index, NS_A, [f"k{i}" for i in range(25)])
+    assert index.present(NS_A, keys[:8], PAGE) == [True] * 8
+    assert index.present(NS_A, keys[:8], PAGE) == [True] * 8 and index.presence.hits == 1
+    assert index.present(NS_A, keys[8:12], PAGE) == [True] * 4  # 12 > 10: emptied, then these 4
+    assert index.present(NS_A, keys[8:12], PAGE) == [True] * 4 and index.presence.hits == 2
+    assert index.present(NS_A, keys[:8], PAGE) == [True] * 8 and index.presence.hits == 2  # asked again
+    assert index.present(NS_A, keys, PAGE) == [True] * 25  # more than it holds: nothing kept
+    assert index.present(NS_A, keys[:1], PAGE) == [True] and index.presence.hits == 2
+    assert index.presence._size <= 10
+    index.close()

@@ -65,6 +65,8 @@ class PresenceCache:
             found = list(found)
             if self._size + len(found) > self.capacity:
                 self._reset(removals)
+                if len(found) > self.capacity:
+                    return  # more than the cache may hold: those are asked again
             known = self._known.setdefault((ns, length), set())
             before = len(known)
             known.update(found)
