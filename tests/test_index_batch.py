@@ -221,3 +221,21 @@ def test_threads_with_copies_in_flight_never_mix_pages_on_the_numpy_paths(numpy_
     """The control plane's thread stress (four threads, a lander thread landing copies at random
     moments) with every batch on the numpy paths."""
     _threads_stress(registry)
+
+
+def test_a_repeated_slot_anywhere_in_a_batch_sends_it_to_the_loops():
+    from kvtier.index import TierIndex, make_policy
+
+    index = TierIndex("host", 200_000, make_policy("lru", 200_000))
+    rng = np.random.default_rng(5)
+    for n in (tier_index.BULK, 4096, 70_000):  # past the precomputed positions too
+        slots = rng.permutation(200_000)[:n].tolist()
+        got = index._unique_slots(slots)
+        assert got is not None and got.tolist() == slots
+        for _ in range(5):  # after batches that left their positions in the scratch array
+            i, j = sorted(rng.choice(n, 2, replace=False).tolist())
+            repeated = list(slots)
+            repeated[j] = repeated[i]
+            assert index._unique_slots(repeated) is None, (n, i, j)
+            assert index._unique_slots(slots) is not None
+    assert index._unique_slots(list(range(tier_index.BULK - 1))) is None  # short: the loops

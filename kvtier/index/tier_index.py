@@ -34,15 +34,7 @@ _NP_EVICTABLE = np.array(_EVICTABLE)
 _NP_LEGAL_TO = {new: np.array(row) for new, row in _LEGAL_TO.items()}
 
 
-def _unique_slots(slots) -> np.ndarray | None:
-    """A long batch as an int64 array when no slot repeats in it (the numpy paths' condition),
-    else None (the one-at-a-time loops, which apply repeats in order)."""
-    if len(slots) < BULK:
-        return None
-    array_ = np.fromiter(slots, dtype=np.int64, count=len(slots))
-    if np.unique(array_).size != array_.size:
-        return None
-    return array_
+_POSITIONS = np.arange(1 << 16, dtype=np.int32)
 
 
 class TierIndex:
@@ -59,6 +51,8 @@ class TierIndex:
         self.pins = array("i", [0]) * capacity  # engine holds (allocate, acquire, load), dropped by release
         self.busy = array("i", [0]) * capacity  # copies in flight that read or write the slot
         self.hits = bytearray(capacity)  # uses, saturating at 255 (write policies look for >= 2)
+        # Scratch for `_unique_slots`: each slot's position in the batch being checked.
+        self._stamp = np.zeros(capacity, dtype=np.int32)
         self.dirty = SlotList(capacity)
         self.free = array("i", range(capacity - 1, -1, -1))  # a stack: slot 0 is handed out first
         self.counts = [0] * len(PageState)
@@ -70,6 +64,22 @@ class TierIndex:
         self._np_pins = np.frombuffer(self.pins, dtype=np.int32)
         self._np_busy = np.frombuffer(self.busy, dtype=np.int32)
         self._np_hits = np.frombuffer(self.hits, dtype=np.uint8)
+
+    def _unique_slots(self, slots) -> np.ndarray | None:
+        """A long batch as an int64 array when no slot repeats in it (the numpy paths' condition),
+        else None (the one-at-a-time loops, which apply repeats in order). Each slot's position
+        is written to a scratch array and read back: a repeated slot reads back one position at
+        both places (13 µs for 4,096 slots, against 358 for np.unique's sort, on a 2-core VM)."""
+        n = len(slots)
+        if n < BULK:
+            return None
+        at = np.fromiter(slots, dtype=np.int64, count=n)
+        positions = _POSITIONS[:n] if n <= _POSITIONS.size else np.arange(n, dtype=np.int32)
+        stamp = self._stamp
+        stamp[at] = positions
+        if not np.array_equal(stamp[at], positions):
+            return None
+        return at
 
     # --- lookups -----------------------------------------------------------------------------
     def lookup(self, kid: bytes) -> int:
@@ -191,7 +201,7 @@ class TierIndex:
         """`set_states` of a long batch of distinct slots to a state other than FREE, in numpy;
         False (nothing changed) when a slot repeats or a transition is illegal, for the loops to
         apply or report."""
-        at = _unique_slots(slots)
+        at = self._unique_slots(slots)
         if at is None:
             return False
         state, busy, pins = self._np_state, self._np_busy, self._np_pins
@@ -368,7 +378,7 @@ class TierIndex:
 
     def hold_all(self, slots: Iterable[int], touch: bool = False) -> None:
         """A copy starts reading or writing each slot: none is evicted until `unhold_all`."""
-        at = _unique_slots(slots)
+        at = self._unique_slots(slots)
         if at is not None:
             before = self._np_busy[at]
             self.busy_slots += int((before == 0).sum())
@@ -392,7 +402,7 @@ class TierIndex:
             self.policy.remove_many(removes)
 
     def unhold_all(self, slots: Iterable[int]) -> None:
-        at = _unique_slots(slots)
+        at = self._unique_slots(slots)
         if at is not None:
             left = self._np_busy[at] - 1
             if not (left < 0).any():  # else the loop names the slot
