@@ -263,6 +263,32 @@ def test_flush_counts_a_refused_page_as_not_durable(tmp_path, gen):
     pool.close()
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_flush_after_an_outage_backs_up_the_host_before_copying_down(tmp_path, gen, policy):
+    """The host tier is full of pages the failing remote tier could not take, the breaker still
+    open when it recovers: a flush probes with those pages first, so copying the device's new
+    pages down drops none of them (it dropped 4 every time when it copied down first)."""
+    pool = make_pool(tmp_path, write_policy=policy)
+    pool.remote.faults.arm("error_after_io", count=10**6, op="WRITE")
+    for batch in range(60):
+        keys = prefix_keys(np.arange(10_000 + 32 * batch, 10_000 + 32 * batch + 32), 8, pool.namespace)
+        write(pool, keys, gen)
+    pool.remote.faults.disarm()
+    s = pool.stats()
+    assert s["remote_breaker"] != "closed" and s["states"]["host"]["dirty"] > 0
+    after = prefix_keys(np.arange(90_000, 90_000 + 32), 8, pool.namespace)
+    truth = write(pool, after, gen)
+    dropped = dict(pool.stats()["dropped"])
+    assert pool.flush() == 0
+    s = pool.stats()
+    assert s["dropped"] == dropped and s["remote_breaker"] == "closed"
+    assert s["states"]["host"]["dirty"] == 0 and s["states"]["device"]["dirty"] == 0
+    pool.evict(tier="device")
+    pool.evict(tier="host")
+    assert read_back(pool, after) == truth
+    pool.close()
+
+
 def test_close_counts_a_page_dropped_during_its_flush_once(tmp_path, gen):
     fmt = small_format(device_dtype="bf16")
     pool = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_back", registry=CollectorRegistry())

@@ -843,55 +843,69 @@ class TieredPool(Movement, TierRoom):
         dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
         last = None
         owed = None  # key ids of the pages not durable when the flush started
+        probe_first = True
         while True:
             with self._lock:
                 self._reap()
                 if owed is None:
-                    owed = self._not_durable_ids()
-                # Flush copies every dirty page itself (after the latest commit's event, which
-                # follows every queued batch's): the offload thread's queued batches go, or one
-                # would copy a page again after flush returned, once something made it dirty.
-                self._pending_down.clear()
-                dev, host = self._dev, self._host
-                dev_dirty = [s for s in dev.dirty if keep(dev.hits[s]) and not dev.busy[s]]
-                if dev_dirty:
-                    self._copy_down(dev_dirty, evicting=False)
+                    owed = set().union(*self._not_durable_ids())
+                # Host pages first: their backups probe a remote tier the breaker holds off.
                 if self._link is not None:
+                    host = self._host
                     for s in host.dirty:
                         if keep(host.hits[s]) and not host.busy[s]:
                             self._backup_queue.append(s)
                     if len(self._backup_queue):
                         self._breaker.force_probe()
                         self._backup_work.notify()
+                # Flush copies every dirty page itself (after the latest commit's event, which
+                # follows every queued batch's): the offload thread's queued batches go, or one
+                # would copy a page again after flush returned, once something made it dirty.
+                self._pending_down.clear()
+                dev = self._dev
+                dev_dirty = [s for s in dev.dirty if keep(dev.hits[s]) and not dev.busy[s]]
+                # A copy down needs host room, which an unhealthy remote tier makes by dropping
+                # dirty host pages: the first round lets the probe answer before copying down.
+                waiting_for_probe = (probe_first and dev_dirty and self._link is not None
+                                     and not self._breaker.healthy and len(self._backup_queue))
+                probe_first = False
+                if dev_dirty and not waiting_for_probe:
+                    self._copy_down(dev_dirty, evicting=False)
             # Wait for everything this round started, then look again while that helps.
             self._wait_idle(deadline)
             with self._lock:
                 self._reap()
-                if owed:
-                    owed &= self._not_durable_ids()
+                on_device, on_host = self._not_durable_ids() if owed else (set(), set())
+                owed &= on_device | on_host
                 left = len(owed)
-                stuck = last is not None and left >= last
+                # Progress is a page a tier nearer durable: one copied down from the device counts.
+                distance = left + len(owed & on_device)
+                stuck = last is not None and distance >= last and not waiting_for_probe
             if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
                 break
-            last = left
+            last = distance
         gone = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
         if left + gone:
             log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
                         left + gone, dict(self.counters.remote_failures), self._breaker.last_error)
         return left, gone
 
-    def _not_durable_ids(self) -> set[bytes]:
-        """Key ids of the pages the write policy keeps that no last tier holds yet: dirty, or
-        being copied down. O(dirty pages); slots being copied are found with one vectorized
-        scan of the tier's states, only while copies are in flight."""
+    def _not_durable_ids(self) -> tuple[set[bytes], set[bytes]]:
+        """Key ids of the pages the write policy keeps that no last tier holds yet, dirty or
+        being copied down: (on the device, in the host tier). O(dirty pages); slots being
+        copied are found with one vectorized scan of the tier's states, only while copies are
+        in flight."""
         keep = self.write_policy.copy_on_evict
-        out: set[bytes] = set()
-        for index in (self._dev, self._host) if self._link is not None else (self._dev,):
-            id_of, hits = index.id_of, index.hits
-            out.update(id_of(s) for s in index.dirty if keep(hits[s]))
-            if index.counts[S.OFFLOADING]:
-                out.update(map(id_of, index.slots_in(S.OFFLOADING)))
-        return out
+        found = []
+        for index in (self._dev, self._host):
+            out: set[bytes] = set()
+            if index is self._dev or self._link is not None:
+                id_of, hits = index.id_of, index.hits
+                out.update(id_of(s) for s in index.dirty if keep(hits[s]))
+                if index.counts[S.OFFLOADING]:
+                    out.update(map(id_of, index.slots_in(S.OFFLOADING)))
+            found.append(out)
+        return found[0], found[1]
 
     def _wait_idle(self, deadline: float | None) -> None:
         """Wait outside the lock until no engine copy is in flight and the backup queue has
