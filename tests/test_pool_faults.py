@@ -247,7 +247,8 @@ def test_a_page_that_cannot_be_encoded_is_refused_alone(tmp_path, gen, caplog, p
     again.close()
 
 
-def test_flush_counts_a_refused_page_as_not_durable(tmp_path, gen):
+def _four_pages_one_refused(gen):
+    """A write-back pool with 4 committed pages (slots still held), the second one not encodable."""
     fmt = small_format(device_dtype="bf16")
     pool = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_back", registry=CollectorRegistry())
     keys = prefix_keys(np.arange(8 * 4), 8, pool.namespace)
@@ -255,6 +256,11 @@ def test_flush_counts_a_refused_page_as_not_durable(tmp_path, gen):
     fill_random(pool, slots, gen)
     _poison_page(pool, slots[1])
     pool.commit(keys, slots)
+    return pool, slots
+
+
+def test_flush_counts_a_refused_page_as_not_durable(gen):
+    pool, slots = _four_pages_one_refused(gen)
     assert pool.flush() == 1  # the engine still holds the slots: the page stays the engine's
     s = pool.stats()
     assert s["dropped"] == {"not_encodable": 1} and s["states"]["device"]["filling"] == 1
@@ -289,14 +295,8 @@ def test_flush_after_an_outage_backs_up_the_host_before_copying_down(tmp_path, g
     pool.close()
 
 
-def test_close_counts_a_page_dropped_during_its_flush_once(tmp_path, gen):
-    fmt = small_format(device_dtype="bf16")
-    pool = TieredPool(fmt, device_pages=8, host_pages=16, write_policy="write_back", registry=CollectorRegistry())
-    keys = prefix_keys(np.arange(8 * 4), 8, pool.namespace)
-    slots = pool.allocate(4)
-    fill_random(pool, slots, gen)
-    _poison_page(pool, slots[1])
-    pool.commit(keys, slots)
+def test_close_counts_a_page_dropped_during_its_flush_once(gen):
+    pool, slots = _four_pages_one_refused(gen)
     pool.release(slots)
     assert pool.close() == 1  # refused by the copy down during close's flush
     assert pool.stats()["dropped"] == {"not_encodable": 1}  # under its own reason, not also "close"

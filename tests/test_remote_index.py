@@ -178,18 +178,21 @@ def test_an_old_store_is_refused_by_remote_store_too(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["index.sqlite3"]
 
 
-def test_reservations_of_a_killed_process_are_reclaimed(tmp_path):
-    code = (
-        "import sys, os\n"
-        "sys.path.insert(0, sys.argv[2])\n"
-        "from tests.test_remote_index import open_index, reserve\n"
-        "import pathlib\n"
-        "index = open_index(pathlib.Path(sys.argv[1]), owner='child')\n"
-        "reserve(index, 7)\n"
-        "os._exit(0)\n"
-    )
+def run_in_child(tmp_path, body: str) -> None:
+    """Run `body` in a child Python process with the repository importable and `directory` (a
+    pathlib.Path) set to tmp_path."""
+    code = "import sys, os, pathlib\nsys.path.insert(0, sys.argv[2])\ndirectory = pathlib.Path(sys.argv[1])\n" + body
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code, str(tmp_path), repo], check=True)
+
+
+def test_reservations_of_a_killed_process_are_reclaimed(tmp_path):
+    run_in_child(tmp_path, (
+        "from tests.test_remote_index import open_index, reserve\n"
+        "index = open_index(directory, owner='child')\n"
+        "reserve(index, 7)\n"
+        "os._exit(0)\n"
+    ))
     index = open_index(tmp_path)
     assert index.stats(NS_A)["reserved_slots"] == 7
     assert index.reclaim() == 7

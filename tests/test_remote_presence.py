@@ -5,10 +5,7 @@ cache) or a child process plays the other process."""
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +17,7 @@ from kvtier import TieredPool, prefix_keys
 from kvtier.index.keys import key_ids
 from kvtier.tiers.remote.index import RemoteIndex, make_owner
 from tests.conftest import fill_random, small_format
-from tests.test_remote_index import NS_A, NS_B, PAGE, fill, reserve
+from tests.test_remote_index import NS_A, NS_B, PAGE, fill, reserve, run_in_child
 
 
 def open_index(tmp_path, owner="test", recheck_s=3600.0) -> RemoteIndex:
@@ -125,18 +122,14 @@ def test_a_removal_by_a_child_process_reaches_the_cache(tmp_path):
     mine = open_index(tmp_path, recheck_s=0.0)
     keys = fill(mine, NS_A, [f"k{i}" for i in range(10)])
     assert mine.present(NS_A, keys, PAGE) == [True] * 10
-    code = (
-        "import sys, pathlib\n"
-        "sys.path.insert(0, sys.argv[2])\n"
+    run_in_child(tmp_path, (
         "from tests.test_remote_presence import open_index\n"
         "from tests.test_remote_index import NS_A\n"
         "from kvtier.index.keys import key_ids\n"
-        "index = open_index(pathlib.Path(sys.argv[1]), owner='child')\n"
+        "index = open_index(directory, owner='child')\n"
         "assert index.delete(NS_A, key_ids(['k3'])) == [True]\n"
         "index.close()\n"
-    )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code, str(tmp_path), repo], check=True)
+    ))
     assert mine.present(NS_A, keys, PAGE) == [True] * 3 + [False] + [True] * 6
     mine.close()
 
