@@ -82,6 +82,33 @@ def _fp16_query_powers(q_max, qk_scale):
 
 
 @triton.jit
+def _split_range(LENS, tokens_per_split):
+    """This program's (sequence, kv head, split) and the split's tokens [start, end) (empty past
+    the sequence's end)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, tl.load(LENS + b))
+    return b, kvh, split, start, end
+
+
+@triton.jit
+def _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The block of tokens from n0: (live, each token's page, its row in the page)."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    live = tok < end
+    page = tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
+    return live, page, tok % PAGE_SIZE
+
+
+@triton.jit
+def _token_scales(S, page, row, kvh, stride_p, stride_t, stride_h, live):
+    """One scale per token of a block (every granularity's strides give the token's kv head's)."""
+    return tl.load(S + page * stride_p + row * stride_t + kvh * stride_h, mask=live, other=0.0)
+
+
+@triton.jit
 def _decode_split(
     Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
     qk_scale,
@@ -115,12 +142,7 @@ def _decode_split(
     block's probabilities times V's scales are divided by the block's largest scale, so they lie
     in [0, 1]; both factors come back in fp32.
     """
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(LENS + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
     if start < end:
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < GROUP
@@ -136,10 +158,7 @@ def _decode_split(
         s = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            live = tok < end
-            page = tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
-            row = tok % PAGE_SIZE
+            live, page, row = _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
             k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
             v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
             k = tl.load(k_ptr, mask=live[:, None], other=0)
@@ -157,7 +176,7 @@ def _decode_split(
             else:
                 score = tl.dot(q, tl.trans(k))
             if SCALED:
-                k_scale = tl.load(KS + page * stride_ksp + row * stride_kst + kvh * stride_ksh, mask=live, other=0.0)
+                k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
                 score = score * (k_scale * score_scale)[None, :]
             else:
                 score = score * score_scale
@@ -168,7 +187,7 @@ def _decode_split(
             s = s * alpha + tl.sum(p, 1)
             v_max = 1.0
             if SCALED:
-                v_scale = tl.load(VS + page * stride_vsp + row * stride_vst + kvh * stride_vsh, mask=live, other=0.0)
+                v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
                 if F16:
                     v_max = tl.max(v_scale, 0)
                     v_max = tl.where(v_max > 0, v_max, 1.0)
@@ -252,12 +271,7 @@ def _decode_split_pairs(
     (each dot's inner dimension, head_dim / 2, at least 16).
     """
     HALF_D: tl.constexpr = HEAD_DIM // 2
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(LENS + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
     if start < end:
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < GROUP
@@ -275,10 +289,7 @@ def _decode_split_pairs(
         acc_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
         acc_odd = tl.zeros([BLOCK_H, HALF_D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            live = tok < end
-            page = tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
-            row = tok % PAGE_SIZE
+            live, page, row = _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
             k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
             v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
             k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
@@ -288,7 +299,7 @@ def _decode_split_pairs(
             else:  # the interpreter's dot: fp32 operands holding the same values
                 score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
                 score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
-            k_scale = tl.load(KS + page * stride_ksp + row * stride_kst + kvh * stride_ksh, mask=live, other=0.0)
+            k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
             score = score * (k_scale * score_scale)[None, :]
             score = tl.where(live[None, :], score, float("-inf"))
             # Probabilities relative to each row's largest score in this block, so that every row's
@@ -300,7 +311,7 @@ def _decode_split_pairs(
             weight = tl.exp2(m_block - m_new)
             p = tl.exp2(score - m_block[:, None])
             s = s * alpha + tl.sum(p, 1) * weight
-            v_scale = tl.load(VS + page * stride_vsp + row * stride_vst + kvh * stride_vsh, mask=live, other=0.0)
+            v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
             v_max = tl.max(v_scale, 0)
             v_max = tl.where(v_max > 0, v_max, 1.0)
             weight = weight * v_max
