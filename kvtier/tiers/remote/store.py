@@ -134,6 +134,7 @@ from kvtier.index.keys import KEY_ID_BYTES, key_ids
 from kvtier.tiers.remote import records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
 from kvtier.tiers.remote.faults import FaultInjector
+from kvtier.tiers.remote.presence import RECHECK_S as PRESENCE_RECHECK_S
 from kvtier.tiers.remote.index import (
     PageLocation,
     PublishEntry,
@@ -258,7 +259,7 @@ class RemoteStore:
         shared_group: bool = False,
         allow_foreign_owner: bool = False,
         mac_key: Optional[bytes] = None,
-        presence_recheck_s: float = 1.0,
+        presence_recheck_s: float = PRESENCE_RECHECK_S,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
