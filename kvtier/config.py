@@ -401,14 +401,11 @@ def _format(section: Any, env: Mapping[str, str], where: str) -> PageFormat:
         raise ConfigError(f"{where} 'format': {err}") from None
 
 
-def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
-    """The TieredPool keyword arguments (``fmt`` included) a configuration describes.
-
-    config: a mapping, a path to a .json / .toml / .yaml file, or None for the file named by
-    KVTIER_CONFIG (or nothing but the environment and the overrides). KVTIER_* variables
-    override the configuration; keyword overrides (objects included) override both.
-    """
-    options = pool_options()
+def _settings(
+    config: Mapping[str, Any] | str | os.PathLike | None, options: Mapping[str, Converter], overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], Any, dict[str, str], str]:
+    """(checked keyword arguments, the raw format section, format fields from KVTIER_FORMAT_*,
+    the source's name): a configuration read in order file or mapping < environment < overrides."""
     if config is None and os.environ.get(ENV_CONFIG):
         config = os.environ[ENV_CONFIG]
     if config is None:
@@ -437,6 +434,17 @@ def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **o
             kwargs[key] = options[key](value, f"keyword {key!r}")
         else:
             raise _unknown(key, f"keyword {key!r}", options)
+    return kwargs, section, env_format, where
+
+
+def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
+    """The TieredPool keyword arguments (``fmt`` included) a configuration describes.
+
+    config: a mapping, a path to a .json / .toml / .yaml file, or None for the file named by
+    KVTIER_CONFIG (or nothing but the environment and the overrides). KVTIER_* variables
+    override the configuration; keyword overrides (objects included) override both.
+    """
+    kwargs, section, env_format, where = _settings(config, pool_options(), overrides)
     if "fmt" not in kwargs:
         if section is None and not env_format:
             raise ConfigError(f"{where} 'format' is missing: give a format table or pass fmt=PageFormat(...)")
@@ -444,6 +452,41 @@ def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **o
     elif section is not None or env_format:
         raise ConfigError(f"{where} 'format' and the keyword fmt both describe the page format; give one")
     return kwargs
+
+
+def store_options() -> dict[str, Converter]:
+    """``remote`` and every RemoteStore option as ``remote_<option>``, with its converter."""
+    from kvtier.tiers.remote import RemoteStore
+
+    options: dict[str, Converter] = {"remote": _remote}
+    for name, param in _parameters(RemoteStore.__init__).items():
+        if param.kind is param.KEYWORD_ONLY and name not in ("namespace", "page_bytes"):
+            key = f"remote_{name}"
+            convert = NAMED.get(key) or _by_suffix(name, param.default)
+            if convert is not None:
+                options[key] = convert
+    return options
+
+
+def store_kwargs(
+    config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(store settings, other settings) of a configuration, for a caller that opens the remote
+    store itself and whose engine owns the device and host tiers (the SGLang backend).
+
+    The same vocabulary, sources and precedence as ``pool_kwargs``, plus every RemoteStore
+    option as ``remote_<option>``. The first mapping holds ``remote`` (the location) and the
+    store's keyword arguments by RemoteStore's own names (``remote_timeout_s`` -> ``timeout_s``);
+    the second the pool's keys, checked (a format table too, when given), which such a caller
+    does not use."""
+    options = {**pool_options(), **store_options()}
+    kwargs, section, env_format, where = _settings(config, options, overrides)
+    if section is not None or env_format:
+        kwargs["format"] = _format(section if section is not None else {}, env_format, where)
+    store = {"remote": kwargs.pop("remote", None)}
+    for key in [k for k in kwargs if k.startswith("remote_") and k in store_options()]:
+        store[key[len("remote_") :]] = kwargs.pop(key)
+    return store, kwargs
 
 
 def pool_from_config(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TieredPool:

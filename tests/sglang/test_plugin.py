@@ -173,7 +173,12 @@ def test_rewrite_expands_a_config_file(tmp_path):
     ("extra", "message"),
     [
         ({"path": "/x", "capcity_gb": 1}, "unknown key 'capcity_gb'"),
-        ({}, "needs \"path\""),
+        ({}, "needs \"remote\""),
+        ({"path": "/x", "remote": "/y"}, "'path'='/x' and 'remote'='/y' disagree"),
+        ({"remote": "/x", "remote_capacity_byte": "1GiB"}, "did you mean 'remote_capacity_bytes'"),
+        ({"remote": "/x", "remote_capacity_bytes": "lots"}, "remote_capacity_bytes"),
+        ({"remote": "/x", "config": "/nonexistent/kvtier.toml"}, "does not exist"),
+        ({"remote": "/x", "remote_timeout_s": 0}, "remote_timeout_s"),
         ({"path": "/x", "module_path": "other.module"}, "sets 'module_path'='other.module'"),
         ({"path": "/x", "interface_v1": 0}, "sets 'interface_v1'=0"),
         ({"path": "/x", "timeout_s": "10"}, "timeout_s"),
@@ -217,11 +222,53 @@ def test_recorder_hook_only_in_scheduler_processes():
     assert parsed(out) is False
 
 
+def kvtier_server_args(tmp="/tmp/kv"):
+    """SGLang's own ServerArgs after the plugin's rewrite of ``--hicache-storage-backend kvtier``."""
+    from sglang.srt.server_args import ServerArgs
+
+    argv = plugin.rewrite_argv(BASE + ["--hicache-storage-backend", "kvtier", plugin.EXTRA_FLAG,
+                                       json.dumps({"remote": tmp})])
+    return ServerArgs(model_path="org/model", enable_hierarchical_cache=True, hicache_storage_backend="dynamic",
+                      hicache_storage_backend_extra_config=argv[argv.index(plugin.EXTRA_FLAG) + 1])
+
+
 class _Runner:
     """What the recorder reads of SGLang's ModelRunner after configure_kv_cache_dtype."""
 
-    def __init__(self, model, kv_cache_dtype, is_draft_worker):
+    def __init__(self, model, kv_cache_dtype, is_draft_worker, server_args=None):
         self.model, self.kv_cache_dtype, self.is_draft_worker = model, kv_cache_dtype, is_draft_worker
+        self.server_args = kvtier_server_args() if server_args is None else server_args
+
+
+def test_selects_kvtier_reads_sglang_server_args(tmp_path):
+    from sglang.srt.server_args import ServerArgs
+
+    assert plugin.selects_kvtier(kvtier_server_args(str(tmp_path)))
+    by_hand = {"backend_name": "kvtier", "module_path": "kvtier.adapters.sglang.backend",
+               "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "remote": str(tmp_path)}
+    at_file = tmp_path / "extra.json"
+    at_file.write_text(json.dumps(by_hand))
+    for extra in (json.dumps(by_hand), f"@{at_file}"):
+        args = ServerArgs(model_path="m", hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=extra)
+        assert plugin.selects_kvtier(args)
+    other = {**by_hand, "module_path": "my.backend"}
+    for backend, extra in (("file", None), ("nixl", None), (None, None), ("dynamic", json.dumps(other))):
+        args = ServerArgs(model_path="m", hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra)
+        assert not plugin.selects_kvtier(args), backend
+
+
+def test_recorder_is_silent_when_another_backend_serves(caplog):
+    """A server with SGLang's own storage backend gets no record and no kvtier log line."""
+    from sglang.srt.server_args import ServerArgs
+
+    caplog.set_level("DEBUG")
+    before = recorded_kv_format("target")
+    model = attention_model(2, (0.5, 2.0), (1.0, 4.0))
+    for backend in ("file", None):
+        args = ServerArgs(model_path="m", hicache_storage_backend=backend)
+        assert plugin._record_after_configure(None, _Runner(model, torch.float8_e4m3fn, False, args)) is None
+    assert recorded_kv_format("target") == before
+    assert "kvtier" not in caplog.text
 
 
 def test_recorder_records_target_and_draft():

@@ -153,6 +153,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
+        if self.settings.left_to_sglang:
+            logger.info("kvtier: SGLang's own flags decide %s; kvtier's configuration values for them are "
+                        "not used by the storage backend", ", ".join(self.settings.left_to_sglang))
         self.storage_config = storage_config
         os.makedirs(_directory(self.settings.path), exist_ok=True)
         self.registered_pools = {}
@@ -218,10 +221,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.settings.path,
                 namespace=namespace,
                 page_bytes=sum(piece_sizes),
-                capacity_bytes=self.settings.capacity_bytes,
-                backend=self.settings.nixl_backend,
-                backend_params=dict(self.settings.nixl_backend_params),
-                timeout_s=self.settings.timeout_s,
+                **self.settings.store_kwargs,
             )
             try:
                 for region in regions:

@@ -2,8 +2,9 @@
 
 Owns the entry point of group ``sglang.srt.plugins`` (``register``) and the two hooks it
 installs through SGLang's ``HookRegistry``. It must never change an argument list that does not
-select kvtier, and never fail a model runner because recording its KV format failed (the backend
-then refuses an fp8 pool at start, naming the cause).
+select kvtier, act or log in a server that does not use kvtier, and never fail a model runner
+because recording its KV format failed (the backend then refuses an fp8 pool at start, naming
+the cause).
 
 Facts from sglang 0.5.23 (paths under ``sglang/srt/``):
 - ``--hicache-storage-backend`` is a closed list of choices (``arg_groups/fields/memory.py:148``)
@@ -28,7 +29,9 @@ way SGLang does (``utils/server_args_config_parser.py:75``), an ``@file`` extra 
 
 Hook 2, AFTER ``ModelRunner.configure_kv_cache_dtype`` (it runs after the weights and their k/v
 scales are loaded, ``model_executor/model_runner.py:715,735``): records the runner's KV dtype and
-scale fingerprint (``namespace.record_kv_format``). It is registered only in processes that have
+scale fingerprint (``namespace.record_kv_format``), only when the runner's server arguments select
+kvtier (``selects_kvtier``): a server with another backend gets no record and no log line from
+kvtier. It is registered only in processes that have
 imported SGLang's scheduler module (schedulers, data-parallel controllers, an in-process Engine),
 so the launcher and tokenizer processes do not import the model runner for nothing.
 """
@@ -81,9 +84,27 @@ def _rewrite_before_prepare(*args, **kwargs):
     return args, {**kwargs, "argv": rewritten}
 
 
+def selects_kvtier(server_args) -> bool:
+    """Whether SGLang's parsed ``server_args`` use kvtier as the storage backend: ``kvtier``, or
+    ``dynamic`` with kvtier's module in the extra config (the plugin's rewrite, or by hand)."""
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend == BACKEND_NAME:
+        return True
+    if backend != "dynamic":
+        return False
+    extra = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    try:
+        config = extra if isinstance(extra, dict) else _load_extra(extra) if isinstance(extra, str) else {}
+    except (OSError, ValueError):
+        return False
+    return config.get("module_path") == BACKEND_MODULE
+
+
 def _record_after_configure(result, runner, *args, **kwargs):
     from kvtier.adapters.sglang.namespace import record_kv_format
 
+    if not selects_kvtier(getattr(runner, "server_args", None)):
+        return None
     role = "draft" if getattr(runner, "is_draft_worker", False) else "target"
     try:
         fmt = record_kv_format(role, runner.model, runner.kv_cache_dtype)
