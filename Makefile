@@ -7,7 +7,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean gpu-sglang-kit
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -59,3 +59,13 @@ $(SGLANG_STAMP): requirements/sglang-harness.txt pyproject.toml Makefile
 
 test-sglang: $(SGLANG_STAMP)
 	KVTIER_REQUIRE_SGLANG=1 $(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang
+
+# The folder a GPU call carries for scripts/sglang_server_check.sh: a real SGLang 0.5.17 server's
+# wheel set and a trimmed nixl for the H200's Python 3.12 / torch 2.11, built by the kit the
+# project keeps beside its checkout (../shared/gpu-sglang). Ignored by git; ~58 MiB.
+GPU_SGLANG_KIT ?= ../shared/gpu-sglang
+
+gpu-sglang-kit:
+	@test -f $(GPU_SGLANG_KIT)/build.sh || { echo "no kit at $(GPU_SGLANG_KIT) (set GPU_SGLANG_KIT=...)"; exit 2; }
+	@grep -qx '/.gpu-sglang/' .git/info/exclude 2>/dev/null || echo /.gpu-sglang/ >> .git/info/exclude
+	bash $(GPU_SGLANG_KIT)/build.sh
