@@ -87,6 +87,13 @@ def _pool_regions(pool: Any) -> list[torch.Tensor]:
     return tensors
 
 
+def _is_storage_writer(config: HiCacheStorageConfig) -> bool:
+    """SGLang's ``is_storage_writer`` (0.5.23); sglang 0.5.17's config has none, and there an MLA
+    page is written by TP rank 0 alone, as its Mooncake backend does."""
+    writer = getattr(config, "is_storage_writer", None)
+    return writer if writer is not None else (not config.is_mla_model or config.tp_rank == 0)
+
+
 class _Lane:
     """One host pool and the store holding its pages: how a batch of page indices becomes the
     (pointer, size) pieces of each page."""
@@ -427,7 +434,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if lane is None:
             self._fail("write", name, count, "the pool is not registered")
             return [False] * count
-        if lane.logical or (lane.replicated and not self.storage_config.is_storage_writer):
+        if lane.logical or (lane.replicated and not _is_storage_writer(self.storage_config)):
             metrics.count(name, "write", skipped=count)
             return [True] * count
         start = time.perf_counter()
