@@ -288,7 +288,7 @@ def stored_pages(server: Server) -> float:
     return kvtier_counter(text, "write", "written") + kvtier_counter(text, "write", "present")
 
 
-def wait_stored(server: Server, length: int, budget: Budget, limit_s: float = 120.0) -> float:
+def wait_stored(server: Server, length: int, budget: Budget, limit_s: float = 90.0) -> float:
     """Seconds until the storage tier holds a prompt of ``length`` tokens: kvtier's write counter
     reaches its pages, else the store directory stops growing at about the prompt's bytes."""
     t0 = time.monotonic()
@@ -302,7 +302,7 @@ def wait_stored(server: Server, length: int, budget: Budget, limit_s: float = 12
             size = server.store_bytes()
             stable = stable + 1 if size == last and size > 0 else 0
             last = size
-            if stable >= 3:
+            if stable >= 3 or (size == 0 and time.monotonic() - t0 > 20):
                 break
         time.sleep(0.5)
     if server.backend == "kvtier":
@@ -310,53 +310,62 @@ def wait_stored(server: Server, length: int, budget: Budget, limit_s: float = 12
     return time.monotonic() - t0
 
 
-def ttft_host(server: Server, lengths: list[int], repeats: int, device_tokens: int, budget: Budget, seed: int) -> dict:
-    """Recompute and host (L2) hits on a server without storage: A, a filler 512 tokens longer than
-    the device pool's free room (SGLang evicts A's whole node from the device; write-through kept
-    it in the host pool), A again."""
-    out = {}
-    for length in lengths:
-        rows = []
-        for rep in range(repeats):
-            if budget.left() < 30:
-                break
-            server.flush()
-            a = prompt_ids(seed + 1000 * length + rep, length)
-            filler = prompt_ids(seed + 7 + 1000 * length + rep, device_tokens - length + 512)
-            first = server.generate(a, 1)
-            server.generate(filler, 1)
-            again = server.generate(a, 1)
-            rows.append({"recompute": first, "l2": again})
-            log(f"{server.name} {length}: recompute {first['s']:.3f} s, L2 {again['s']:.3f} s "
-                f"(host {again['host']}, device {again['device']})")
-        out[length] = rows
-    return out
-
-
-def ttft_storage(server: Server, lengths: list[int], repeats: int, budget: Budget, seed: int) -> dict:
-    """Storage (L3) hits: A once (recompute, written through), then per repeat a flush and A
-    ("warm": store files in the page cache), a flush, DONTNEED on the files and A ("cold")."""
-    out = {}
-    server.pages_written = 0.0
-    for length in lengths:
-        if budget.left() < 40:
+def host_rows(server: Server, length: int, repeats: int, device_tokens: int, budget: Budget) -> list[dict]:
+    """Recompute and host (L2) hits on a server without storage: A, two fillers of half the device
+    pool and 512 tokens each (together they need A's room and more, and A is the least recently
+    used, so SGLang evicts all of A from the device; write-through kept it in the host pool), A."""
+    rows = []
+    for rep in range(repeats):
+        if budget.left() < 30:
             break
-        a = prompt_ids(seed + 1000 * length, length)
+        server.flush()
+        a = prompt_ids(10_000 + 1000 * length + rep, length)
         first = server.generate(a, 1)
-        stored_s = wait_stored(server, length, budget)
-        rows = {"first": first, "stored_s": stored_s, "warm": [], "cold": []}
-        for rep in range(repeats):
-            if budget.left() < 20:
-                break
-            server.flush()
-            rows["warm"].append(server.generate(a, 1))
-            server.flush()
-            server.drop_store_cache()
-            rows["cold"].append(server.generate(a, 1))
-            log(f"{server.name} {length}: L3 warm {rows['warm'][-1]['s']:.3f} s (storage {rows['warm'][-1]['storage']}), "
-                f"cold {rows['cold'][-1]['s']:.3f} s (storage {rows['cold'][-1]['storage']})")
-        out[length] = rows
-    return out
+        for k in range(2):
+            server.generate(prompt_ids(20_000 + 1000 * length + 10 * rep + k, device_tokens // 2 + 512), 1)
+        again = server.generate(a, 1)
+        rows.append({"recompute": first, "l2": again})
+        log(f"{server.name} {length}: recompute {first['s']:.3f} s, L2 {again['s']:.3f} s "
+            f"(host {again['host']}, device {again['device']})")
+    return rows
+
+
+def storage_rows(server: Server, prompt: list[int], first: dict, repeats: int, budget: Budget) -> dict:
+    """Storage (L3) hits of a prompt already written through: per repeat a flush and the prompt
+    ("warm": store files in the page cache), a flush, DONTNEED on the files and the prompt ("cold")."""
+    stored_s = wait_stored(server, len(prompt), budget)
+    rows = {"first": first, "stored_s": stored_s, "warm": [], "cold": []}
+    for _ in range(repeats):
+        if budget.left() < 20:
+            break
+        server.flush()
+        rows["warm"].append(server.generate(prompt, 1))
+        server.flush()
+        server.drop_store_cache()
+        rows["cold"].append(server.generate(prompt, 1))
+        log(f"{server.name} {len(prompt)}: L3 warm {rows['warm'][-1]['s']:.3f} s (storage "
+            f"{rows['warm'][-1]['storage']}), cold {rows['cold'][-1]['s']:.3f} s (storage {rows['cold'][-1]['storage']}); "
+            f"stored after {stored_s:.1f} s")
+    return rows
+
+
+def ttft_group(group: dict, lengths: list[int], repeats: int, device_tokens: int, budget: Budget,
+               results: dict, save) -> None:
+    """Per prompt length: the prompt's first request on every storage server (recompute, written
+    through), the host-tier rows while those writes land, then each storage server's hits in turn
+    (one server on the GPU at a time)."""
+    storage = [s for b, s in group.items() if b != "none"]
+    for length in lengths:
+        if budget.left() < 60:
+            results.setdefault("skipped", []).append(f"{length} tokens: {budget.left():.0f} s left")
+            break
+        prompt = prompt_ids(1000 * length, length)
+        firsts = {s.backend: s.generate(prompt, 1) for s in storage}
+        if "none" in group:
+            results.setdefault("none", {})[length] = host_rows(group["none"], length, repeats, device_tokens, budget)
+        for s in storage:
+            results.setdefault(s.backend, {})[length] = storage_rows(s, prompt, firsts[s.backend], repeats, budget)
+        save()
 
 
 def median_s(rows: list[dict]) -> float | None:
@@ -368,13 +377,13 @@ def summarize(ttft: dict) -> dict:
     """Medians per (dtype, length) and the issue's ratios."""
     table = {}
     for dtype, servers in ttft.items():
-        for length in sorted({int(k) for rows in servers.values() for k in rows}):
+        for length in sorted({k for name, rows in servers.items() if name != "skipped" for k in rows}):
             row = {}
-            host = servers.get("none", {}).get(length) or servers.get("none", {}).get(str(length)) or []
+            host = servers.get("none", {}).get(length) or []
             row["recompute"] = median_s([r["recompute"] for r in host])
             row["l2"] = median_s([r["l2"] for r in host])
             for backend in ("kvtier", "file", "nixl"):
-                got = servers.get(backend, {}).get(length) or servers.get(backend, {}).get(str(length))
+                got = servers.get(backend, {}).get(length)
                 if got:
                     row[f"{backend}_warm"] = median_s(got["warm"])
                     row[f"{backend}_cold"] = median_s(got["cold"])
@@ -493,26 +502,26 @@ def main() -> int:
                 start_ttft(dtype)
             group = ttft_servers[dtype]
             results = report["ttft"].setdefault(dtype, {})
+            ready = {}
             for backend, s in group.items():
-                if not s.wait_healthy(budget, 300):
+                if s.wait_healthy(budget, 300):
+                    s.generate(prompt_ids(99, 2048), 1)  # first-request kernel compiles
+                    ready[backend] = s
+                else:
                     problems.append(f"{s.name} did not start")
-                    continue
-                s.generate(prompt_ids(99, 2048), 1)  # first-request kernel compiles
-                try:
-                    if backend == "none":
-                        results[backend] = ttft_host(s, lengths, args.repeats, device_tokens, budget, 1)
-                    else:
-                        results[backend] = ttft_storage(s, lengths, args.repeats, budget, 1)
-                except Exception as err:
-                    problems.append(f"{s.name}: {err!r}")
-                if backend != "kvtier":
+            try:
+                ttft_group(ready, lengths, args.repeats, device_tokens, budget, results, save)
+            except Exception as err:
+                problems.append(f"ttft {dtype}: {err!r}")
+            for backend, s in group.items():
+                if backend not in ("kvtier",):
                     lines = s.kvtier_lines()
                     report["silent"][s.name] = lines[:5]
                     if lines:
                         problems.append(f"{s.name} (backend {backend}) logged kvtier lines: {lines[:2]}")
                 s.stop()
                 shutil.rmtree(s.store, ignore_errors=True)
-                save()
+            save()
         report["table"] = summarize(report["ttft"])
     except SystemExit:
         pass
