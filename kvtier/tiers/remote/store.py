@@ -130,6 +130,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from kvtier.errors import SettingError
 from kvtier.index.keys import KEY_ID_BYTES, key_ids
 from kvtier.tiers.remote import records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
@@ -234,7 +235,9 @@ class RemoteStore:
     ``presence_recheck_s``: ``contains`` answers keys it found published from memory while no
     process has removed pages, and reads the index's removal counter at least this often, so a
     page another process removed is reported present for at most this long (0: always ask the
-    index; pages this process removes are never reported). Security:
+    index; pages this process removes are never reported). ``create``: make missing parent
+    directories of ``location`` too (without it only the store directory itself is created,
+    so a mistyped mount point is refused). Security:
     ``shared_group``, ``allow_foreign_owner``, ``mac_key`` (see the module docstring).
     """
 
@@ -260,13 +263,17 @@ class RemoteStore:
         allow_foreign_owner: bool = False,
         mac_key: Optional[bytes] = None,
         presence_recheck_s: float = PRESENCE_RECHECK_S,
+        create: bool = False,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes {page_bytes!r}; expected a positive int")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes {capacity_bytes!r}; expected None or > 0")
+        if capacity_bytes is not None and capacity_bytes < _round_up(page_bytes, SLOT_ALIGN):
+            raise SettingError(
+                f"capacity_bytes {capacity_bytes!r} holds no page: expected None or at least one slot of "
+                f"{_round_up(page_bytes, SLOT_ALIGN)} bytes ({page_bytes}-byte pages)"
+            )
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(
                 f"watermarks low={low_watermark!r} high={high_watermark!r}; "
@@ -304,7 +311,7 @@ class RemoteStore:
         records.require_crc32c()
         api = load_nixl_api()
         modes = Modes.for_store(shared_group)
-        self._dir_fd = open_store_directory(self.directory, modes, allow_foreign_owner)
+        self._dir_fd = open_store_directory(self.directory, modes, allow_foreign_owner, create)
         self._index = self._engine = self._medium = None
         try:
             lock_shared(self._dir_fd, self.directory)
