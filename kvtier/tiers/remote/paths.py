@@ -125,7 +125,17 @@ def _read_only(path: str) -> bool:
 
 
 def _mount_point(path: str) -> str:
+    """Where the file system holding ``path`` is mounted: the longest mount point above it in
+    /proc/self/mounts (bind mounts included), else the nearest ``os.path.ismount``."""
     path = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            points = [line.split()[1].encode().decode("unicode_escape") for line in f if line.strip()]
+    except OSError:
+        points = []
+    inside = [p for p in points if path == p or path.startswith(p.rstrip("/") + "/")]
+    if inside:
+        return f"mounted at {max(inside, key=len)}"
     while not os.path.ismount(path):
         path = os.path.dirname(path)
     return f"mounted at {path}"

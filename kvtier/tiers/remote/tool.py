@@ -464,13 +464,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier store", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="check the index and the records it names; changes nothing")
-    check.add_argument("path")
+    check.add_argument("path", help="the store's directory or file:// URL")
     check.add_argument("--payloads", action="store_true",
                        help="also read every published payload and verify its CRC32C (and MAC)")
     rebuild = commands.add_parser(
         "rebuild", help="move the index aside and rebuild it from the segment files (store closed)"
     )
-    rebuild.add_argument("path")
+    rebuild.add_argument("path", help="the store's directory or file:// URL")
     for sub in (check, rebuild):
         sub.add_argument("--json", action="store_true", help="print the report as JSON")
         sub.add_argument("--mac-key-file", help="file holding the store's mac_key (raw bytes)")
