@@ -97,9 +97,12 @@ def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, 
     """(store, owned): open a directory or file:// URL, or check a caller's RemoteStore."""
     if isinstance(remote, (str, os.PathLike)):
         from kvtier.tiers.remote import RemoteStore
+        from kvtier.tiers.remote.labels import format_fields
 
         store = RemoteStore(os.fspath(remote), namespace=namespace.digest, page_bytes=fmt.page_bytes,
-                            capacity_bytes=capacity_bytes, create=create)
+                            capacity_bytes=capacity_bytes, create=create,
+                            namespace_label={"model": namespace.model, "rank": namespace.rank,
+                                             "format": format_fields(fmt)})
         return store, True
     if not all(hasattr(remote, name) for name in ("put_ids", "get_ids", "contains_ids", "page_bytes", "namespace")):
         raise TypeError(

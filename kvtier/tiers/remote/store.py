@@ -126,13 +126,13 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from kvtier.errors import SettingError
 from kvtier.index.keys import KEY_ID_BYTES, key_ids
-from kvtier.tiers.remote import records
+from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
 from kvtier.tiers.remote.faults import FaultInjector
 from kvtier.tiers.remote.presence import RECHECK_S as PRESENCE_RECHECK_S
@@ -237,7 +237,9 @@ class RemoteStore:
     page another process removed is reported present for at most this long (0: always ask the
     index; pages this process removes are never reported). ``create``: make missing parent
     directories of ``location`` too (without it only the store directory itself is created,
-    so a mistyped mount point is refused). Security:
+    so a mistyped mount point is refused). ``namespace_label``: what the namespace is, for people
+    (the pool passes its model, rank and page format; see ``labels``): kept in the index, and
+    the store logs once at open which other namespaces it holds pages of. Security:
     ``shared_group``, ``allow_foreign_owner``, ``mac_key`` (see the module docstring).
     """
 
@@ -264,6 +266,7 @@ class RemoteStore:
         mac_key: Optional[bytes] = None,
         presence_recheck_s: float = PRESENCE_RECHECK_S,
         create: bool = False,
+        namespace_label: Optional[Mapping[str, object]] = None,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
@@ -337,6 +340,10 @@ class RemoteStore:
             self.capacity_bytes = (
                 capacity_bytes if capacity_bytes is not None else self._default_capacity()
             )
+            label = {} if namespace_label is None else labels.decode(labels.encode(namespace_label))
+            if namespace_label is not None:
+                self._index.set_label(self._ns_fp, labels.encode(namespace_label))
+            self._log_other_namespaces(label)
         except BaseException:
             self._release_resources()
             raise
@@ -348,6 +355,27 @@ class RemoteStore:
         self._calls = threading.Condition()
         self._in_flight = 0
         self._closed = False
+
+    def _log_other_namespaces(self, label: dict) -> None:
+        """Say once, at open, which other namespaces (formats, models, ranks) the store holds
+        pages of: their pages never hit this one's keys, which is silent otherwise. A warning
+        when this namespace has no pages here, else information."""
+        rows = self._index.namespaces()
+        others = [row for row in rows if row[0] != self._ns_fp]
+        if not others:
+            return
+        own = next((row[1] for row in rows if row[0] == self._ns_fp), 0)
+        listed = "; ".join(
+            f"{labels.describe(labels.decode(text), ns)}: {pages} pages ({labels.size(used)})"
+            for ns, pages, used, text in others
+        )
+        logger.log(
+            logging.WARNING if own == 0 else logging.INFO,
+            "remote store %s holds %d pages of this namespace (%s) and %d pages of %d other namespaces, "
+            "which never hit here (another page format, model or rank): %s",
+            self.directory, own, labels.describe(label, self._ns_fp), sum(row[1] for row in others),
+            len(others), listed,
+        )
 
     def _default_capacity(self) -> int:
         fs = os.statvfs(self.directory)

@@ -31,9 +31,9 @@ import time
 import urllib.request
 from typing import Callable, Optional, Sequence
 
-from kvtier.tiers.remote import records
+from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.errors import StoreBusy, StoreCorrupt, StoreUnsafe, StoreVersionMismatch
-from kvtier.tiers.remote.index import SCHEMA_VERSION, RemoteIndex, make_owner
+from kvtier.tiers.remote.index import SCHEMA_VERSION, RemoteIndex, make_owner, stored_labels
 from kvtier.tiers.remote.paths import (
     INDEX_FILENAME,
     INDEX_SIDE_FILES,
@@ -232,7 +232,12 @@ def _check_index(db: sqlite3.Connection, report: dict) -> None:
                 f"namespace {ns.hex()}: kept counters {kept.get(ns, (0, 0))}, pages table "
                 f"{counted.get(ns, (0, 0))}"
             )
-    report["namespaces"] = {ns.hex(): n for ns, (n, _) in counted.items()}
+    stored = stored_labels(db)
+    report["namespaces"] = {
+        ns.hex(): {"pages": n, "used_bytes": b, "describe": labels.describe(labels.decode(stored.get(ns)), ns),
+                   "label": labels.decode(stored.get(ns))}
+        for ns, (n, b) in sorted(counted.items(), key=lambda item: -item[1][0])
+    }
     if allocated != pages + reserved + free:
         problems.append(
             f"slot states do not add up: {allocated} slots handed out, {pages} published + "
@@ -509,6 +514,8 @@ def _print_report(command: str, report: dict) -> None:
                 print(f"  {name}: {report[name]}")
         if "index" in report:
             print(f"  index: {report['index']}")
+        for ns, entry in report.get("namespaces", {}).items():
+            print(f"  namespace {ns}: {entry['describe']}: {entry['pages']} pages, {labels.size(entry['used_bytes'])}")
         return
     print(f"{report['path']}: index rebuilt; damaged index kept as {report['moved_aside'] or 'nothing (there was none)'}")
     for name in ("segments", "pages_published", "records", "superseded", "empty_slots", "torn_headers",
