@@ -327,7 +327,8 @@ def _unknown(key: str, where: str, options: Mapping[str, Converter]) -> ConfigEr
                 f"{where}: RemoteStore takes {key[len('remote_'):]!r}, but this TieredPool does not pass "
                 f"{key!r} through; remote options it takes: {sorted(k for k in options if k.startswith('remote_'))}"
             )
-    return ConfigError(f"{where}: unknown key{_close(key, options)}; keys: {sorted(options)} and 'format'")
+    near = _close(key, [*options, *CONFIG_ONLY_KEYS])
+    return ConfigError(f"{where}: unknown key{near}; keys: {sorted(options)}, 'format' and 'strict'")
 
 
 # --- sources --------------------------------------------------------------------------------
@@ -467,9 +468,10 @@ def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **o
     )
     for source, layer in layers:
         for key, value, named in layer:
-            if source == "the keywords" and (key in OBJECT_KEYS or key == "engine" and callable(value)):
+            keyword = source == "the keywords"
+            if keyword and (key in OBJECT_KEYS or key == "engine" and callable(value)):
                 kwargs[key] = value
-            elif source == "the keywords" and key == "remote" and value is not None and not isinstance(value, (str, os.PathLike)):
+            elif keyword and key == "remote" and value is not None and not isinstance(value, (str, os.PathLike)):
                 kwargs[key] = value  # a RemoteStore the caller owns
             elif isinstance(key, str) and key in options:
                 kwargs[key] = options[key](value, named)

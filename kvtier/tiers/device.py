@@ -47,7 +47,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
                 f"device={device!r} is not a device name: {hint}expected 'cpu', 'cuda' or 'cuda:N'"
             ) from None
     else:
-        raise DeviceError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}")
+        raise DeviceError(
+            f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}"
+        )
     if found.type not in DEVICE_TYPES:
         raise DeviceError(f"device={device!r}: kvtier's device tier runs on 'cpu' or 'cuda', not {found.type!r}")
     if found.type == "cuda":

@@ -52,7 +52,9 @@ def describe(label: Mapping[str, Any], fingerprint: bytes) -> str:
     if "rank" in label:
         parts.append(f"rank {label['rank']}")
     if fmt:
-        dtype = fmt.get("dtype", "?") + (f"->{fmt['device_dtype']}" if fmt.get("device_dtype") not in (None, fmt.get("dtype")) else "")
+        dtype = fmt.get("dtype", "?")
+        if fmt.get("device_dtype") not in (None, dtype):
+            dtype += f"->{fmt['device_dtype']}"
         parts.append(f"{dtype} pages of {fmt.get('page_size', '?')} tokens")
         kind = "mla latent" if fmt.get("mla") else f"{fmt.get('num_kv_heads', '?')} kv heads"
         parts.append(f"{fmt.get('num_layers', '?')} layers x {kind} x {fmt.get('head_dim', '?')}")
