@@ -22,7 +22,8 @@ FMT = small_format()
 
 
 def pool(**kw):
-    return TieredPool(FMT, registry=None, background_copies=False, **{"device_pages": 4, "host_pages": 8, **kw})
+    sizes = {"device_pages": 4} if "host_bytes" in kw else {"device_pages": 4, "host_pages": 8}
+    return TieredPool(FMT, registry=None, background_copies=False, **{**sizes, **kw})
 
 
 def run_python(code: str, env: dict | None = None, prefix: list[str] | None = None) -> subprocess.CompletedProcess:
@@ -68,6 +69,15 @@ def test_a_tier_larger_than_the_machine_names_key_size_and_memory(key):
     assert f"{key}={value}" in text and gib(pages * FMT.page_bytes) in text
     assert f"available of {gib(total)}" in text and "/proc/meminfo MemAvailable" in text
     assert f"set {key} to at most" in text
+
+
+def test_host_pages_and_host_bytes_together_are_refused():
+    with pytest.raises(SettingError, match=r"host_pages=8 and host_bytes=65536 both size the host tier; give one"):
+        TieredPool(FMT, registry=None, device_pages=4, host_pages=8, host_bytes=65536)
+    with TieredPool(FMT, registry=None, device_pages=4, host_bytes=16 * FMT.page_bytes) as sized:
+        assert sized.host_tier.num_pages == 16
+    with TieredPool(FMT, registry=None, device_pages=4) as default:
+        assert default.host_tier.num_pages == 4096
 
 
 def test_device_pages_of_a_billion():

@@ -82,3 +82,12 @@ def check_copy_path_runs(copy_path: str, engine: str, device) -> None:
         f"copy_path={copy_path!r} moves bytes with CUDA, but {why}, so it would never be used: "
         "use copy_path='auto' (or 'torch'), or a CUDA device (device='cuda') and engine 'auto' or 'cuda'"
     )
+
+
+def check_host_size(host_pages: object, host_bytes: object) -> None:
+    """host_pages and host_bytes both size the host tier: one would be ignored, so refuse both."""
+    if host_pages is not None and host_bytes is not None:
+        raise SettingError(
+            f"host_pages={host_pages!r} and host_bytes={host_bytes!r} both size the host tier; give one: "
+            "host_bytes for a size, host_pages for a page count"
+        )

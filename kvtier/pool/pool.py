@@ -51,7 +51,7 @@ from kvtier.index.keys import key_ids
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
-from kvtier.pool.checks import check_copy_path, check_copy_path_runs, check_count, check_positive, check_slots, check_unique
+from kvtier.pool.checks import check_copy_path, check_copy_path_runs, check_count, check_host_size, check_positive, check_slots, check_unique
 from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
 from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.remote_link import RemoteLink
@@ -125,7 +125,7 @@ class TieredPool(Movement, TierRoom):
     remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
     RemoteStore the caller owns (same page size and namespace as this pool); remote_create
     lets the pool create missing parent directories of a remote path.
-    host_bytes, when given, sizes the host tier in bytes (whole pages) instead of host_pages.
+    host_pages (default 4096) or host_bytes (whole pages of that many bytes) sizes the host tier; not both.
     close_timeout_s bounds `close()` (flush included) when the remote tier hangs.
     remote_backoff_s / remote_backoff_max_s: first and longest pause between backup attempts
     while the remote tier fails. remote_queue_depth: prefetch hints queued at most.
@@ -143,7 +143,7 @@ class TieredPool(Movement, TierRoom):
         fmt: PageFormat,
         device: str | torch.device | None = None,
         device_pages: int | None = None,
-        host_pages: int = 4096,
+        host_pages: int | None = None,
         write_policy: str = "write_through",
         eviction: str = "lru",
         engine: str | Callable = "auto",
@@ -168,6 +168,9 @@ class TieredPool(Movement, TierRoom):
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
+        check_host_size(host_pages, host_bytes)
+        if host_pages is None:
+            host_pages = 4096
         if host_bytes is not None:
             if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < fmt.page_bytes:
                 raise ValueError(f"host_bytes must be an int of at least one page ({fmt.page_bytes} bytes), got {host_bytes!r}")
