@@ -7,7 +7,10 @@
     kvtier store rebuild PATH [...]   rebuild a remote page store's index from its segment files
 
 Owns argument parsing and dispatch only; each subcommand's work lives in its own module,
-imported when that subcommand runs, so `kvtier --help` needs neither CUDA nor NIXL. It must
+imported when that subcommand runs, so `kvtier --help` needs neither CUDA nor NIXL. `kvtier
+store ...` is handed to the store tool whole, so its own parser answers `--help` at every level
+(`kvtier store check --help` lists every flag, with or without a PATH). `python -m kvtier`
+runs the same command. It must
 never measure, read a store or build a pool itself. Exit codes: 0 done, 1 the tool found a
 problem, 2 bad usage or a tool that cannot run here.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -62,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
         sub.add_argument("path", help="the store's directory or file:// URL")
-        sub.add_argument("options", nargs=argparse.REMAINDER, help="options for the store tool (see its --help)")
-        sub.set_defaults(run=_store)
+        sub.add_argument("options", nargs=argparse.REMAINDER, help=f"options: see kvtier store {action} --help")
     return parser
 
 
@@ -73,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         parser.print_help(sys.stderr)
         return 2
+    if argv[0] == "store":
+        return _store(argv[1:])
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help, --version and usage errors: argparse has printed them
@@ -87,10 +92,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from kvtier.config import ConfigError, pool_kwargs
+    from kvtier.config import ENV_CONFIG, ENV_FORMAT_PREFIX, ConfigError, MissingFormat, pool_kwargs
 
     try:
         kwargs = pool_kwargs(args.file)
+    except MissingFormat:
+        fields = f"{ENV_FORMAT_PREFIX}NUM_LAYERS, _NUM_KV_HEADS, _HEAD_DIM, _PAGE_SIZE and _DTYPE"
+        file = args.file or os.environ.get(ENV_CONFIG)
+        if file is None:
+            hint = (f"nothing to read: pass a config file (kvtier config kvtier.toml, with a [format] table), "
+                    f"or set {ENV_CONFIG}=/path/to/kvtier.toml, or give the page format with {fields}")
+        else:
+            hint = (f"{file} has no [format] table: add one (num_layers, num_kv_heads, head_dim, page_size, dtype), "
+                    f"or give the page format with {fields}")
+        print(f"kvtier config: {hint}", file=sys.stderr)
+        return 2
     except ConfigError as err:
         print(f"kvtier config: {err}", file=sys.stderr)
         return 2
@@ -106,7 +122,7 @@ def _format_fields(fmt) -> dict:
     return {f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt) if f.init}
 
 
-def _store(args: argparse.Namespace) -> int:
+def _store(argv: list[str]) -> int:
     import importlib
 
     try:
@@ -118,7 +134,10 @@ def _store(args: argparse.Namespace) -> int:
             print(f"kvtier store: the store tool cannot import {err.name}; the remote tier needs "
                   "pip install 'kvtier[nixl]' (CUDA 13) or 'kvtier[nixl-cu12]' (CUDA 12)", file=sys.stderr)
         return 2
-    return tool.main([args.action, args.path, *args.options])
+    try:
+        return tool.main(argv)
+    except SystemExit as done:  # --help and usage errors: the tool's argparse has printed them
+        return int(done.code or 0)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 Owns what a configuration may say, how it is read and checked, and the precedence of its
 sources: file or mapping < environment (KVTIER_*) < keyword overrides. It builds the PageFormat
-and the TieredPool keyword arguments; it must never create a tier, open a store or touch
-memory, and it never guesses: an unknown key, a value of the wrong type or an unknown
-KVTIER_* variable raises, naming the key and where it came from (with close matches).
+and the TieredPool keyword arguments, and the pools themselves (``pool_from_config``): the pool
+never reads configuration. It must never create a tier, open a store or touch memory itself,
+and it never guesses: an unknown key or a value of the wrong type raises, naming the key and
+where it came from (with close matches). An unknown KVTIER_* variable is logged once, with
+close matches, and raises only when the configuration is strict (``strict = true``,
+``KVTIER_STRICT=1`` or the keyword ``strict=True``): a variable meant for another version of
+kvtier, or for its test suite, must not stop a server.
 
 A configuration is a mapping of TieredPool keywords plus a ``format`` table of PageFormat
 fields::
@@ -26,7 +30,13 @@ such options through. Keywords that take Python objects (``fmt``, ``transform``,
 Environment: ``KVTIER_<KEY>`` sets a top-level key (``KVTIER_HOST_BYTES=64GiB``,
 ``KVTIER_REMOTE=/var/lib/kvtier``), ``KVTIER_FORMAT_<FIELD>`` a format field
 (``KVTIER_FORMAT_DTYPE=fp8``), ``KVTIER_CONFIG`` names the file read when no configuration
-is given. An empty ``KVTIER_REMOTE`` turns the remote tier off.
+is given, ``KVTIER_STRICT`` makes unknown variables errors. An empty ``KVTIER_REMOTE`` turns
+the remote tier off. ``KVTIER_LOG_LEVEL`` is read at ``import kvtier`` (kvtier.log).
+
+Checks across keys: ``host_bytes`` and ``host_pages`` from one source are refused (one would
+be ignored; a later source's one replaces an earlier source's other); a CUDA ``copy_path``
+with a device that is not CUDA is refused (it would never be used); ``remote_capacity_bytes``
+must hold at least one page of the format.
 
 Values: sizes (keys ending in ``_bytes``) take ints or human sizes, "64GiB", "512MiB",
 "1.5GB", "4096" (B, KB/MB/GB/TB/PB = powers of 1000, KiB/MiB/GiB/TiB/PiB = powers of
@@ -40,6 +50,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import logging
 import math
 import os
 import re
@@ -48,8 +59,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import SettingError
 from kvtier.format import PageFormat
 from kvtier.format.page_format import canonical_dtype
+from kvtier.log import LOG_LEVEL_VAR
+from kvtier.pool.checks import COPY_PATHS, CUDA_COPY_PATHS
 
 if TYPE_CHECKING:
     from kvtier.pool import TieredPool
@@ -57,6 +71,10 @@ if TYPE_CHECKING:
 ENV_PREFIX = "KVTIER_"
 ENV_FORMAT_PREFIX = "KVTIER_FORMAT_"
 ENV_CONFIG = "KVTIER_CONFIG"
+ENV_STRICT = "KVTIER_STRICT"
+# Variables kvtier reads that are not configuration keys (KVTIER_REQUIRE_SGLANG: its test suite).
+ENV_OTHER = (ENV_CONFIG, ENV_STRICT, LOG_LEVEL_VAR, "KVTIER_REQUIRE_SGLANG")
+CONFIG_ONLY_KEYS = ("strict",)
 FILE_SUFFIXES = (".json", ".toml", ".yaml", ".yml")
 OBJECT_KEYS = ("fmt", "transform", "registry", "device_kv", "device_scales")
 ENGINES = ("auto", "torch", "cuda")
@@ -70,10 +88,16 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 Converter = Callable[[Any, str], Any]
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # unknown KVTIER_* variables already logged by this process
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingError):
     """A configuration key or value kvtier cannot use; the message names the key and its source."""
+
+
+class MissingFormat(ConfigError):
+    """No source gave the page format (a ``format`` table, KVTIER_FORMAT_* or ``fmt=``)."""
 
 
 def parse_size(value: int | str, where: str = "size") -> int:
@@ -211,7 +235,7 @@ NAMED: dict[str, Converter] = {
     "engine": _engine,
     "write_policy": _write_policy,
     "eviction": _eviction,
-    "copy_path": _text,
+    "copy_path": _choice(COPY_PATHS),
     "model": _text,
     "name": _text,
     "rank": _integer(0),
@@ -303,7 +327,8 @@ def _unknown(key: str, where: str, options: Mapping[str, Converter]) -> ConfigEr
                 f"{where}: RemoteStore takes {key[len('remote_'):]!r}, but this TieredPool does not pass "
                 f"{key!r} through; remote options it takes: {sorted(k for k in options if k.startswith('remote_'))}"
             )
-    return ConfigError(f"{where}: unknown key{_close(key, options)}; keys: {sorted(options)} and 'format'")
+    near = _close(key, [*options, *CONFIG_ONLY_KEYS])
+    return ConfigError(f"{where}: unknown key{near}; keys: {sorted(options)}, 'format' and 'strict'")
 
 
 # --- sources --------------------------------------------------------------------------------
@@ -352,29 +377,40 @@ def _yaml():
     return yaml
 
 
-def _environment(options: Mapping[str, Converter]) -> tuple[dict[str, str], dict[str, str]]:
-    """(top-level keys, format fields) set by KVTIER_* variables, each mapped to its variable."""
+def _environment(options: Mapping[str, Converter], strict: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """(top-level keys, format fields) set by KVTIER_* variables, each mapped to its variable.
+
+    An unknown variable is logged once a process with its close matches, or raises if strict."""
     top: dict[str, str] = {}
     fmt: dict[str, str] = {}
     for var in sorted(os.environ):
-        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG:
+        if not var.startswith(ENV_PREFIX) or var in ENV_OTHER:
             continue
         if var.startswith(ENV_FORMAT_PREFIX):
             field = var[len(ENV_FORMAT_PREFIX) :].lower()
-            if field not in FORMAT_FIELDS:
-                known = [ENV_FORMAT_PREFIX + f.upper() for f in FORMAT_FIELDS]
-                raise ConfigError(f"environment: unknown variable {var}{_close(var, known)}; format fields: {known}")
-            fmt[field] = var
+            if field in FORMAT_FIELDS:
+                fmt[field] = var
+                continue
+            known = [ENV_FORMAT_PREFIX + f.upper() for f in FORMAT_FIELDS]
+            _unknown_variable(var, f"{_close(var, known)}; format fields: {known}", strict)
             continue
         key = var[len(ENV_PREFIX) :].lower()
-        if key not in options:
-            known = [ENV_PREFIX + k.upper() for k in options]
-            raise ConfigError(
-                f"environment: unknown variable {var}{_close(var, known)}; kvtier reads {ENV_CONFIG}, "
-                f"{ENV_FORMAT_PREFIX}<FIELD> and {sorted(known)}"
-            )
-        top[key] = var
+        if key in options:
+            top[key] = var
+            continue
+        known = [ENV_PREFIX + k.upper() for k in [*options, *CONFIG_ONLY_KEYS]] + list(ENV_OTHER)
+        near = _close(var, known)
+        _unknown_variable(var, near or f"; kvtier reads {', '.join(ENV_OTHER[:3])}, {ENV_FORMAT_PREFIX}<FIELD> and "
+                                       f"{ENV_PREFIX}<KEY> for the configuration keys {sorted(options)}", strict)
     return top, fmt
+
+
+def _unknown_variable(var: str, detail: str, strict: bool) -> None:
+    if strict:
+        raise ConfigError(f"environment: unknown variable {var}{detail} (strict: unset it, or drop strict)")
+    if var not in _warned:
+        _warned.add(var)
+        log.warning("environment: kvtier ignores the unknown variable %s%s", var, detail)
 
 
 # --- building --------------------------------------------------------------------------------
@@ -402,10 +438,11 @@ def _format(section: Any, env: Mapping[str, str], where: str) -> PageFormat:
 
 
 def _settings(
-    config: Mapping[str, Any] | str | os.PathLike | None, options: Mapping[str, Converter], overrides: Mapping[str, Any]
-) -> tuple[dict[str, Any], Any, dict[str, str], str]:
-    """(checked keyword arguments, the raw format section, format fields from KVTIER_FORMAT_*,
-    the source's name): a configuration read in order file or mapping < environment < overrides."""
+    config: Mapping[str, Any] | str | os.PathLike | None, options: Mapping[str, Converter], overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str], Any, dict[str, str], str]:
+    """(checked keyword arguments, where each came from, the raw format section, format fields
+    from KVTIER_FORMAT_*, the source's name): a configuration read in the order file or mapping <
+    environment < keyword overrides."""
     if config is None and os.environ.get(ENV_CONFIG):
         config = os.environ[ENV_CONFIG]
     if config is None:
@@ -416,25 +453,30 @@ def _settings(
         data, where = read_config(config), f"{os.fspath(config)}:"
     else:
         raise ConfigError(f"config: expected a mapping, a file path or None, got {type(config).__name__}")
-    env_top, env_format = _environment(options)
+    strict = _strict(data, where, overrides)
+    env_top, env_format = _environment(options, strict)
     kwargs: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # key -> where its value came from
     section = data.pop("format", None)
-    for key, value in data.items():
-        if not isinstance(key, str) or key not in options:
-            raise _unknown(str(key), f"{where} {key!r}", options)
-        kwargs[key] = options[key](value, f"{where} {key!r}")
-    for key, var in env_top.items():
-        kwargs[key] = options[key](os.environ[var], var)
-    for key, value in overrides.items():
-        if key in OBJECT_KEYS or key == "engine" and callable(value):
-            kwargs[key] = value
-        elif key == "remote" and value is not None and not isinstance(value, (str, os.PathLike)):
-            kwargs[key] = value  # a RemoteStore the caller owns
-        elif key in options:
-            kwargs[key] = options[key](value, f"keyword {key!r}")
-        else:
-            raise _unknown(key, f"keyword {key!r}", options)
-    return kwargs, section, env_format, where
+    layers = (
+        (where, [(key, value, f"{where} {key!r}") for key, value in data.items()]),
+        ("the environment", [(key, os.environ[var], var) for key, var in env_top.items()]),
+        ("the keywords", [(key, value, f"keyword {key!r}") for key, value in overrides.items()]),
+    )
+    for source, layer in layers:
+        for key, value, named in layer:
+            keyword = source == "the keywords"
+            if keyword and (key in OBJECT_KEYS or key == "engine" and callable(value)):
+                kwargs[key] = value
+            elif keyword and key == "remote" and value is not None and not isinstance(value, (str, os.PathLike)):
+                kwargs[key] = value  # a RemoteStore the caller owns
+            elif isinstance(key, str) and key in options:
+                kwargs[key] = options[key](value, named)
+            else:
+                raise _unknown(str(key), named, options)
+            sources[key] = named
+        _one_host_size(kwargs, sources, {key for key, *_ in layer}, source)
+    return kwargs, sources, section, env_format, where
 
 
 def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
@@ -442,15 +484,20 @@ def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **o
 
     config: a mapping, a path to a .json / .toml / .yaml file, or None for the file named by
     KVTIER_CONFIG (or nothing but the environment and the overrides). KVTIER_* variables
-    override the configuration; keyword overrides (objects included) override both.
+    override the configuration; keyword overrides (objects included) override both. The key
+    ``strict`` (also KVTIER_STRICT, or the keyword) makes unknown KVTIER_* variables errors.
     """
-    kwargs, section, env_format, where = _settings(config, pool_options(), overrides)
+    kwargs, sources, section, env_format, where = _settings(config, pool_options(), overrides)
     if "fmt" not in kwargs:
         if section is None and not env_format:
-            raise ConfigError(f"{where} 'format' is missing: give a format table or pass fmt=PageFormat(...)")
+            raise MissingFormat(
+                f"{where} 'format' is missing: give a format table (num_layers, num_kv_heads, head_dim, page_size, "
+                f"dtype), {ENV_FORMAT_PREFIX}<FIELD> variables, or the keyword fmt=PageFormat(...)"
+            )
         kwargs["fmt"] = _format(section if section is not None else {}, env_format, where)
     elif section is not None or env_format:
         raise ConfigError(f"{where} 'format' and the keyword fmt both describe the page format; give one")
+    _check_across(kwargs, sources)
     return kwargs
 
 
@@ -460,7 +507,7 @@ def store_options() -> dict[str, Converter]:
 
     options: dict[str, Converter] = {"remote": _remote}
     for name, param in _parameters(RemoteStore.__init__).items():
-        if param.kind is param.KEYWORD_ONLY and name not in ("namespace", "page_bytes"):
+        if param.kind is param.KEYWORD_ONLY and name not in ("namespace", "page_bytes", "namespace_label"):
             key = f"remote_{name}"
             convert = NAMED.get(key) or _by_suffix(name, param.default)
             if convert is not None:
@@ -479,14 +526,62 @@ def store_kwargs(
     store's keyword arguments by RemoteStore's own names (``remote_timeout_s`` -> ``timeout_s``);
     the second the pool's keys, checked (a format table too, when given), which such a caller
     does not use."""
-    options = {**pool_options(), **store_options()}
-    kwargs, section, env_format, where = _settings(config, options, overrides)
+    stores = store_options()
+    kwargs, _, section, env_format, where = _settings(config, {**pool_options(), **stores}, overrides)
     if section is not None or env_format:
         kwargs["format"] = _format(section if section is not None else {}, env_format, where)
     store = {"remote": kwargs.pop("remote", None)}
-    for key in [k for k in kwargs if k.startswith("remote_") and k in store_options()]:
+    for key in [k for k in kwargs if k in stores]:
         store[key[len("remote_") :]] = kwargs.pop(key)
     return store, kwargs
+
+
+def _strict(data: dict, where: str, overrides: dict) -> bool:
+    """Whether unknown KVTIER_* variables are errors; takes ``strict`` out of data and overrides."""
+    strict = False
+    if "strict" in data:
+        strict = _boolean(data.pop("strict"), f"{where} 'strict'")
+    if os.environ.get(ENV_STRICT, "").strip():
+        strict = _boolean(os.environ[ENV_STRICT], ENV_STRICT)
+    if "strict" in overrides:
+        strict = _boolean(overrides.pop("strict"), "keyword 'strict'")
+    return strict
+
+
+def _one_host_size(kwargs: dict, sources: dict, given: set, source: str) -> None:
+    """host_bytes and host_pages size the same tier: one source may give one of them; a later
+    source's one replaces an earlier source's other."""
+    if {"host_bytes", "host_pages"} <= given:
+        raise ConfigError(
+            f"{sources['host_bytes']} = {kwargs['host_bytes']} and {sources['host_pages']} = {kwargs['host_pages']} "
+            f"both size the host tier (from {source}); give one: host_bytes for a size, host_pages for a page count"
+        )
+    for key, other in (("host_bytes", "host_pages"), ("host_pages", "host_bytes")):
+        if key in given and other in kwargs:
+            del kwargs[other], sources[other]
+
+
+def _check_across(kwargs: dict, sources: dict) -> None:
+    """Checks of one key against another, or against the page format."""
+    copy_path = kwargs.get("copy_path")
+    if copy_path in CUDA_COPY_PATHS and "device_kv" not in kwargs:
+        device, engine = kwargs.get("device", "cpu"), kwargs.get("engine", "auto")
+        cuda_device = isinstance(device, str) and device.strip().lower().startswith("cuda")
+        if engine == "torch" or (engine == "auto" and not cuda_device):
+            why = "engine = 'torch' copies with torch" if engine == "torch" else (
+                f"device = {device!r}" + ("" if "device" in sources else " (the default)") + " is not a CUDA device"
+            )
+            raise ConfigError(
+                f"{sources['copy_path']} = {copy_path!r} moves bytes with CUDA, but {why}, so it would never be used: "
+                "use copy_path = 'auto' (or 'torch'), or device = 'cuda' with engine 'auto' or 'cuda'"
+            )
+    capacity = kwargs.get("remote_capacity_bytes")
+    if capacity is not None and capacity < kwargs["fmt"].page_bytes:
+        fmt = kwargs["fmt"]
+        raise ConfigError(
+            f"{sources['remote_capacity_bytes']} = {capacity} bytes holds no page: a page of {fmt.describe()} "
+            f"is {fmt.page_bytes} bytes; give at least that (e.g. \"64GiB\") or leave it out (half the free disk)"
+        )
 
 
 def pool_from_config(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TieredPool:

@@ -17,8 +17,12 @@ flight, and the `kvtier_call_seconds` histograms of load, commit and match. Seri
 tier can move are exported only for a pool with one (`remote=`): `tier="remote"` hits, the
 directions to and from it, `reason="remote_unavailable"`, `kvtier_remote_failures`, the backup
 queue, the circuit breaker, the `remote_get`/`remote_put` histograms and the store's own
-`kvtier_remote_store_*` counters (the latter while the store answers). Evictions from the remote
-tier are the store's (`kvtier_remote_store_evictions`). A family no pool has a series of is left out.
+`kvtier_remote_store_*` counters and gauges (the latter while the store answers). Evictions from
+the remote tier are the store's (`kvtier_remote_store_evictions_total`). A family no pool has a
+series of is left out. Names are as Prometheus shows them: counters end in `_total`; the store's
+gauges are `kvtier_remote_store_pages` / `_used_bytes` (the whole store), `_namespace_pages` /
+`_namespace_used_bytes` (this pool's namespace) and `_capacity_bytes`. Every HELP text is
+written here, never generated.
 """
 
 from __future__ import annotations
@@ -44,11 +48,27 @@ REMOTE_OPS = ("remote_get", "remote_put")
 # Seconds, 50 us to 5 s. Few buckets on purpose: prometheus-client formats about 6 µs a sample,
 # and the histograms are most of what a scrape exports.
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 0.25, 1.0, 5.0)
-STORE_COUNTERS = (
-    "hits", "misses", "corrupt_reads", "raced_reads", "read_failures", "write_failures", "rejected_writes",
-    "evictions", "bytes_written", "bytes_read",
+# The remote store's own series: (family name after kvtier_remote_store_, stats() key, HELP text).
+STORE_COUNTERS_HELP = {
+    "hits": "Pages the store read back whole and verified (header, CRC32C, MAC)",
+    "misses": "Pages asked of the store that it did not hold",
+    "corrupt_reads": "Pages whose record failed its header, CRC32C or MAC check; each left the index",
+    "raced_reads": "Pages rewritten or removed while they were read (a miss, nothing dropped)",
+    "read_failures": "Pages whose read request or segment file failed; each left the index",
+    "write_failures": "Pages whose write request failed or timed out",
+    "rejected_writes": "Pages the store had no room for, even after evicting",
+    "evictions": "Pages the store evicted to stay under its capacity (every namespace's)",
+    "bytes_written": "Payload bytes written to the store",
+    "bytes_read": "Payload bytes read from the store",
+}
+STORE_COUNTERS = tuple(STORE_COUNTERS_HELP)
+STORE_GAUGES = (
+    ("namespace_pages", "pages", "Pages the store holds of this pool's namespace (model, page format, rank)"),
+    ("namespace_used_bytes", "used_bytes", "Payload bytes the store holds of this pool's namespace"),
+    ("pages", "store_pages", "Pages the store holds, every namespace"),
+    ("used_bytes", "store_used_bytes", "Payload bytes the store holds, every namespace"),
+    ("capacity_bytes", "capacity_bytes", "Payload bytes the store may hold before it evicts"),
 )
-STORE_GAUGES = ("pages", "used_bytes", "store_pages", "store_used_bytes", "capacity_bytes")
 
 _pool_ids = itertools.count()
 
@@ -172,9 +192,9 @@ def _remote_only(s: dict, remote: bool) -> tuple[tuple[str, ...], ...]:
     return _ONE if remote else ()
 
 
-def _store_family(name: str, typ: str) -> _Family:
-    return _Family(f"kvtier_remote_store_{name}", typ, f"Remote page store {typ} {name}", (), _remote_only,
-                   lambda s, hist, store, keys: [store.get(name, 0)], store=True)
+def _store_family(name: str, key: str, typ: str, doc: str) -> _Family:
+    return _Family(f"kvtier_remote_store_{name}", typ, doc, (), _remote_only,
+                   lambda s, hist, store, keys: [store.get(key, 0)], store=True)
 
 
 _FAMILIES: tuple[_Family, ...] = (
@@ -214,8 +234,8 @@ _FAMILIES: tuple[_Family, ...] = (
             lambda s, hist, store, keys: [s["remote_breaker_opened"] for _ in keys]),
     _Family("kvtier_call_seconds", "histogram", "Time of pool calls, and of remote jobs from submission to done",
             ("op",), lambda s, remote: tuple((op,) for op in CALLS + (REMOTE_OPS if remote else ())), _read_histograms),
-    *(_store_family(name, "counter") for name in STORE_COUNTERS),
-    *(_store_family(name, "gauge") for name in STORE_GAUGES),
+    *(_store_family(name, name, "counter", STORE_COUNTERS_HELP[name]) for name in STORE_COUNTERS),
+    *(_store_family(name, key, "gauge", doc) for name, key, doc in STORE_GAUGES),
 )
 
 

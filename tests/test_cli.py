@@ -34,7 +34,8 @@ def test_version(capsys):
 def test_console_script_and_module_run_as_processes():
     script = shutil.which("kvtier", path=str(Path(sys.executable).parent))
     assert script is not None, "the kvtier console script is not installed beside this Python"
-    for command in ([script, "--version"], [sys.executable, "-m", "kvtier.cli", "--version"]):
+    for command in ([script, "--version"], [sys.executable, "-m", "kvtier.cli", "--version"],
+                    [sys.executable, "-m", "kvtier", "--version"]):
         out = subprocess.run(command, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == f"kvtier {kvtier.__version__}"
 
@@ -149,3 +150,31 @@ def test_store_commands_reach_the_store_tool(tmp_path, capsys):
             expected = tool.main([action, str(tmp_path)])
             capsys.readouterr()
             assert main(["store", action, str(tmp_path)]) == expected
+
+
+def test_store_help_lists_every_flag_at_every_level(capsys):
+    pytest.importorskip("crc32c")
+    assert main(["store", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: kvtier store") and "check" in text and "rebuild" in text
+    for action, flags in (("check", ["--payloads", "--json", "--mac-key-file", "--namespace", "--no-progress"]),
+                          ("rebuild", ["--json", "--mac-key-file", "--namespace", "--no-progress"])):
+        assert main(["store", action, "--help"]) == 0  # no PATH needed to see the flags
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: kvtier store {action}") and "the store's directory" in text
+        for flag in flags:
+            assert flag in text, (action, flag)
+
+
+def test_config_without_a_file_says_what_to_pass_on_the_command_line(tmp_path, capsys, monkeypatch):
+    for var in [v for v in os.environ if v.startswith("KVTIER_")]:
+        monkeypatch.delenv(var)
+    assert main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert "kvtier config kvtier.toml" in err and "KVTIER_CONFIG=" in err and "KVTIER_FORMAT_NUM_LAYERS" in err
+    assert "PageFormat" not in err
+    no_format = tmp_path / "kv.toml"
+    no_format.write_text('device = "cpu"\n')
+    assert main(["config", str(no_format)]) == 2
+    err = capsys.readouterr().err
+    assert f"{no_format} has no [format] table" in err and "PageFormat" not in err

@@ -110,6 +110,23 @@ def test_environment_overrides_the_file_and_keywords_override_both(tmp_path, mon
     assert kwargs["host_bytes"] == 2 * 2**20 and kwargs["rank"] == 0
 
 
+def test_a_later_source_sizes_the_host_tier_by_the_other_key(tmp_path, monkeypatch):
+    (path,) = [p for p in write_files(tmp_path) if p.suffix == ".toml"]  # host_bytes in the file
+    monkeypatch.setenv("KVTIER_HOST_PAGES", "32")
+    kwargs = pool_kwargs(path)
+    assert kwargs["host_pages"] == 32 and "host_bytes" not in kwargs
+    kwargs = pool_kwargs(path, host_bytes="64KiB")
+    assert kwargs["host_bytes"] == 65536 and "host_pages" not in kwargs
+    with pytest.raises(ConfigError, match="KVTIER_HOST_BYTES = 4096 and KVTIER_HOST_PAGES = 32 both size the host tier"):
+        monkeypatch.setenv("KVTIER_HOST_BYTES", "4096")
+        pool_kwargs(path)
+
+
+def test_a_cuda_copy_path_is_kept_for_a_cuda_device():
+    kwargs = pool_kwargs({"format": FORMAT, "device": "cuda:0", "copy_path": "kernel"})
+    assert (kwargs["device"], kwargs["copy_path"]) == ("cuda:0", "kernel")
+
+
 def test_kvtier_config_names_the_file_when_none_is_given(tmp_path, monkeypatch):
     (path,) = [p for p in write_files(tmp_path) if p.suffix == ".json"]
     monkeypatch.setenv("KVTIER_CONFIG", str(path))
@@ -176,6 +193,12 @@ def test_bad_sizes_name_the_option_and_the_value(bad):
         ({"format": FORMAT, "remote_bogus": 3}, ["'remote_bogus'", "unknown key"]),
         ({"format": FORMAT, "engine": "gpu"}, ["'engine'", "'gpu'"]),
         ({"host_pages": 4}, ["'format' is missing"]),
+        ({"format": FORMAT, "copy_path": "kernal"}, ["'copy_path'", "'kernal'", "did you mean 'kernel'"]),
+        ({"format": FORMAT, "copy_path": "kernel"}, ["'copy_path' = 'kernel'", "CUDA", "'cpu' (the default)", "copy_path = 'auto'"]),
+        ({"format": FORMAT, "copy_path": "staged", "device": "cpu"}, ["'staged'", "device = 'cpu' is not a CUDA device"]),
+        ({"format": FORMAT, "copy_path": "copy_engine", "device": "cuda", "engine": "torch"}, ["engine = 'torch'"]),
+        ({"format": FORMAT, "host_bytes": "1MiB", "host_pages": 4}, ["'host_bytes' = 1048576", "'host_pages' = 4", "give one"]),
+        ({"format": FORMAT, "remote_capacity_bytes": 100}, ["'remote_capacity_bytes' = 100", "holds no page", f"{PAGE_BYTES} bytes"]),
     ],
 )
 def test_errors_name_the_key(config, words):
@@ -185,18 +208,44 @@ def test_errors_name_the_key(config, words):
         assert word in str(err.value)
 
 
-def test_unknown_environment_variables_are_named(monkeypatch):
+def test_unknown_environment_variables_are_warned_once_and_errors_when_strict(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr("kvtier.config._warned", set())
     monkeypatch.setenv("KVTIER_HOST_BYTE", "1GiB")
+    monkeypatch.setenv("KVTIER_FORMAT_PAGESIZE", "16")
+    with caplog.at_level("WARNING", logger="kvtier.config"):
+        first = pool_kwargs({"format": FORMAT})
+        assert pool_kwargs({"format": FORMAT}) == first  # ignored, so nothing changed
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings  # once a variable, not once a call
+    assert "KVTIER_HOST_BYTE (did you mean 'KVTIER_HOST_BYTES'" in warnings[1]
+    assert "KVTIER_FORMAT_PAGESIZE (did you mean 'KVTIER_FORMAT_PAGE_SIZE'" in warnings[0]
+    assert "host_bytes" not in first
+    # Strict from the mapping, from KVTIER_STRICT, or as a keyword: the same variables are errors.
+    with pytest.raises(ConfigError, match="KVTIER_FORMAT_PAGESIZE.*KVTIER_FORMAT_PAGE_SIZE.*strict"):
+        pool_kwargs({"format": FORMAT, "strict": True})
+    (tmp_path / "kv.toml").write_text(TOML + "\n")
+    with pytest.raises(ConfigError, match="KVTIER_FORMAT_PAGESIZE"):
+        pool_kwargs(tmp_path / "kv.toml", strict="yes")
+    monkeypatch.delenv("KVTIER_FORMAT_PAGESIZE")
+    monkeypatch.setenv("KVTIER_STRICT", "1")
     with pytest.raises(ConfigError, match="KVTIER_HOST_BYTE.*did you mean 'KVTIER_HOST_BYTES'"):
         pool_kwargs({"format": FORMAT})
+    with pytest.raises(ConfigError, match="KVTIER_HOST_BYTE"):  # the environment wins over the mapping
+        pool_kwargs({"format": FORMAT, "strict": False})
+    monkeypatch.delenv("KVTIER_STRICT")
     monkeypatch.delenv("KVTIER_HOST_BYTE")
-    monkeypatch.setenv("KVTIER_FORMAT_PAGESIZE", "16")
-    with pytest.raises(ConfigError, match="KVTIER_FORMAT_PAGESIZE.*KVTIER_FORMAT_PAGE_SIZE"):
-        pool_kwargs({"format": FORMAT})
-    monkeypatch.delenv("KVTIER_FORMAT_PAGESIZE")
     monkeypatch.setenv("KVTIER_HOST_BYTES", "lots")
     with pytest.raises(ConfigError, match="KVTIER_HOST_BYTES: expected a size .* got 'lots'"):
         pool_kwargs({"format": FORMAT})
+
+
+def test_variables_kvtier_reads_elsewhere_are_not_unknown(monkeypatch, caplog):
+    monkeypatch.setattr("kvtier.config._warned", set())
+    for var in ("KVTIER_LOG_LEVEL", "KVTIER_REQUIRE_SGLANG", "KVTIER_STRICT"):
+        monkeypatch.setenv(var, "1" if var != "KVTIER_LOG_LEVEL" else "debug")
+    with caplog.at_level("WARNING", logger="kvtier.config"):
+        pool_kwargs({"format": FORMAT})
+    assert not caplog.records
 
 
 def test_keyword_overrides_are_checked_and_objects_pass_through():

@@ -124,7 +124,9 @@ def test_a_pool_with_a_remote_tier_exports_its_remote_series(registry, gen, tmp_
     assert _get(m, "kvtier_remote_breaker_state") == 0 and _get(m, "kvtier_backup_queue_pages") == 0
     assert _get(m, "kvtier_call_seconds_count", op="remote_put") >= 1
     assert _get(m, "kvtier_call_seconds_bucket", op="remote_get", le="+Inf") == 0
-    assert _get(m, "kvtier_remote_store_pages") == pool.remote_stats()["pages"] == 4
+    assert _get(m, "kvtier_remote_store_namespace_pages") == pool.remote_stats()["pages"] == 4
+    assert _get(m, "kvtier_remote_store_pages") == pool.remote_stats()["store_pages"] == 4
+    assert _get(m, "kvtier_remote_store_namespace_used_bytes") == _get(m, "kvtier_remote_store_used_bytes") > 0
     # The pool without a remote tier beside it still has none of these series.
     assert not any(("pool", "local") in labels and any("remote" in v for _, v in labels) for _, labels in m)
     assert not any(("pool", "local") in labels for name, labels in m if name.startswith("kvtier_remote_"))
@@ -196,3 +198,25 @@ def test_exposition_of_pools_without_a_registry(gen):
     assert samples[key] == s["hits"]["device"] > 0
     pool.close()
     twin.close()
+
+
+def test_the_readme_names_exported_metrics_only_with_hand_written_help(registry, tmp_path):
+    """Every kvtier_* name the README gives is a name Prometheus shows (TYPE lines: counters with
+    _total); `_suffix` shorthands after a full kvtier_remote_store_* name count as that prefix."""
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("nixl_cu13")
+    pool = TieredPool(small_format(), device_pages=4, host_pages=8, registry=registry, name="m1", remote=str(tmp_path))
+    text = generate_latest(registry).decode()
+    pool.close()
+    exported = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    named = set(re.findall(r"`(kvtier_[a-z_]*[a-z])[{`]", readme))
+    section = readme[readme.index("### Metrics") : readme.index("\n## ", readme.index("### Metrics"))]
+    named |= {"kvtier_remote_store" + short for short in re.findall(r"`(_[a-z_]+)`", section)}
+    assert "kvtier_dropped_pages_total" in named and "kvtier_remote_store_namespace_pages" in named
+    assert named <= exported, sorted(named - exported)
+    assert not [name for name in exported if "store_store" in name]
+    helps = dict(re.findall(r"^# HELP (\S+) (.*)$", text, re.M))
+    assert all(len(doc) > 20 and not doc.startswith("Remote page store ") for doc in helps.values()), helps

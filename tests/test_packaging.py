@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,13 +68,56 @@ def test_no_extra_names_torch_or_an_engine(wheel):
         (meta_name,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
         meta = email.message_from_bytes(whl.read(meta_name))
     extras = set(meta.get_all("Provides-Extra"))
-    assert {"nixl", "nixl-cu12", "nixl-cu13", "cuda", "cuda12", "cuda13", "sglang"} <= extras
+    assert {"nixl", "nixl-cu12", "nixl-cu13", "cuda", "cuda12", "cuda13", "sglang", "decode", "triton"} <= extras
     for requirement in meta.get_all("Requires-Dist"):
         name = requirement.split(";")[0].strip().lower()
         if "extra ==" in requirement:
             assert not name.startswith(("torch", "sglang", "vllm")), requirement
         elif name.startswith("torch"):
             assert "+" not in name and "<" not in name, f"core torch requirement caps or pins a build: {requirement}"
+
+
+def _extras(meta) -> dict[str, set[str]]:
+    """extra -> the distributions it brings, through other extras of kvtier too."""
+    direct: dict[str, set[str]] = {extra: set() for extra in meta.get_all("Provides-Extra")}
+    for requirement in meta.get_all("Requires-Dist"):
+        if "extra ==" in requirement:
+            name = re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
+            extra = re.search(r"extra == [\"']([^\"']+)", requirement).group(1)
+            inner = re.search(r"kvtier\[([^\]]+)\]", requirement)
+            direct[extra] |= {f"[{e}]" for e in inner.group(1).split(",")} if inner else {name}
+    def expand(extra: str) -> set[str]:
+        out = set()
+        for item in direct[extra]:
+            out |= expand(item[1:-1]) if item.startswith("[") else {item}
+        return out
+    return {extra: expand(extra) for extra in direct}
+
+
+def test_extras_match_machines_only_cuda_extras_bring_cuda_packages(wheel):
+    with zipfile.ZipFile(wheel) as whl:
+        (meta_name,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = email.message_from_bytes(whl.read(meta_name))
+    extras = _extras(meta)
+    cuda = ("cupy", "cuda-", "nvidia-")
+    for extra, brings in extras.items():
+        on_cuda = [name for name in brings if name.startswith(cuda)]
+        assert bool(on_cuda) == (extra in ("cuda", "cuda12", "cuda13")), (extra, brings)
+    assert extras["nixl"] == {"nixl-cu13", "crc32c"} and "triton" in extras["decode"] == extras["triton"]
+
+
+def test_the_decoder_without_triton_names_its_extra():
+    probe = (  # a finder that answers for triton as pip would where it is not installed
+        "import sys\n"
+        "class NoTriton:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'triton':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTriton())\n"
+        "try:\n    import kvtier.decode\nexcept ImportError as e:\n    print(e)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "kvtier.decode (the reference decoder) needs Triton" in out.stdout and "kvtier[decode]" in out.stdout
 
 
 def test_target_install_finds_the_sources(wheel, tmp_path):

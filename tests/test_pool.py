@@ -9,7 +9,8 @@ from tests.conftest import DTYPE_SCALES, fill_random, poison, small_format, snap
 
 def make_pool(registry, fmt=None, **kw):
     kw.setdefault("device_pages", 8)
-    kw.setdefault("host_pages", 32)
+    if "host_bytes" not in kw:  # the two size the same tier: a pool takes one
+        kw.setdefault("host_pages", 32)
     return TieredPool(fmt or small_format(), device="cpu", registry=registry, **kw)
 
 

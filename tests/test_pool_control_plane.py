@@ -270,7 +270,7 @@ def test_constructor_refuses_bad_options(registry):
         TieredPool(small_format(), device_pages=4, host_pages=4, registry=registry, remote=123)
     with pytest.raises(ValueError, match="remote_queue_depth must be an int > 0, got 0"):
         TieredPool(small_format(), device_pages=4, host_pages=4, registry=registry, remote_queue_depth=0)
-    with pytest.raises(ValueError, match="copy_path must be one of"):
+    with pytest.raises(ValueError, match="copy_path='bogus': expected one of"):
         TieredPool(small_format(), device_pages=4, host_pages=4, registry=registry, copy_path="bogus")
     with pytest.raises(ValueError, match="close_timeout_s"):
         TieredPool(small_format(), device_pages=4, host_pages=4, registry=registry, close_timeout_s=0)

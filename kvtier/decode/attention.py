@@ -42,8 +42,17 @@ if not torch.cuda.is_available():
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+try:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+except ModuleNotFoundError as err:
+    if err.name != "triton":
+        raise
+    raise ImportError(
+        "kvtier.decode (the reference decoder) needs Triton, which is not installed: "
+        "pip install 'kvtier[decode]' (or triton>=3.4; on a machine without CUDA it runs Triton's interpreter)",
+        name="triton",
+    ) from None
 
 from kvtier.format.codec import expand_scales  # noqa: E402
 

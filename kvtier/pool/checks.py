@@ -7,8 +7,15 @@ page states.
 
 from __future__ import annotations
 
+import difflib
 import operator
 from collections.abc import Iterable
+
+from kvtier.errors import SettingError
+
+COPY_PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
+# The copy paths that move bytes with CUDA (kernels, copy engines); "torch" and "auto" run anywhere.
+CUDA_COPY_PATHS = ("kernel", "copy_engine", "staged")
 
 
 def check_count(n: object, what: str = "page count") -> int:
@@ -55,3 +62,32 @@ def check_positive(value: object, what: str, integer: bool = False) -> int | flo
         kind = "an int" if integer else "a number"
         raise ValueError(f"{what} must be {kind} > 0, got {value!r}")
     return value
+
+
+def check_copy_path(copy_path: object) -> str:
+    if copy_path not in COPY_PATHS:
+        near = difflib.get_close_matches(copy_path, COPY_PATHS, 1, 0.6) if isinstance(copy_path, str) else []
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise SettingError(f"copy_path={copy_path!r}: expected one of {list(COPY_PATHS)}{hint}")
+    return copy_path
+
+
+def check_copy_path_runs(copy_path: str, engine: str, device) -> None:
+    """Refuse a CUDA copy path that the pool's engine would never use (engine "auto" on a CPU
+    device, or "torch"), where it would otherwise be ignored without a word."""
+    if copy_path not in CUDA_COPY_PATHS or engine == "cuda" or engine == "auto" and device.type == "cuda":
+        return
+    why = f"device is {str(device)!r}" if engine == "auto" else f"engine={engine!r} copies with torch"
+    raise SettingError(
+        f"copy_path={copy_path!r} moves bytes with CUDA, but {why}, so it would never be used: "
+        "use copy_path='auto' (or 'torch'), or a CUDA device (device='cuda') and engine 'auto' or 'cuda'"
+    )
+
+
+def check_host_size(host_pages: object, host_bytes: object) -> None:
+    """host_pages and host_bytes both size the host tier: one would be ignored, so refuse both."""
+    if host_pages is not None and host_bytes is not None:
+        raise SettingError(
+            f"host_pages={host_pages!r} and host_bytes={host_bytes!r} both size the host tier; give one: "
+            "host_bytes for a size, host_pages for a page count"
+        )

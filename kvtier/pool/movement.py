@@ -114,7 +114,7 @@ class Movement:
             self._bad_page_logged = True
             log.warning(
                 "%d pages could not be encoded as %s (NaN or Inf in the KV); they are not cached, counted in "
-                "kvtier_dropped_pages{reason=\"not_encodable\"} (first key id %s)",
+                "kvtier_dropped_pages_total{reason=\"not_encodable\"} (first key id %s)",
                 len(dev_slots), self.fmt.dtype, dev.id_of(dev_slots[0]).hex(),
             )
         host.unhold_all(host_slots)

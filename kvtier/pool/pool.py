@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from prometheus_client import REGISTRY
@@ -51,7 +51,7 @@ from kvtier.index.keys import key_ids
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
-from kvtier.pool.checks import check_count, check_positive, check_slots, check_unique
+from kvtier.pool.checks import check_copy_path, check_copy_path_runs, check_count, check_host_size, check_positive, check_slots, check_unique
 from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
 from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.remote_link import RemoteLink
@@ -69,7 +69,6 @@ S = PageState
 Key = str | bytes
 log = logging.getLogger(__name__)
 
-COPY_PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
 # A load that keeps waiting (every wait a real event: a fetch, a copy, a change) while other
 # threads take the room or pages it needs gives up after this long, with PoolExhausted.
 _LOAD_PATIENCE_S = 30.0
@@ -82,6 +81,7 @@ _CHUNK_GROWTH = 4
 def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
     if callable(kind):
         return kind(device_tier, host_tier)
+    check_copy_path_runs(copy_path, kind, device_tier.device)
     if kind == "auto":
         kind = "cuda" if device_tier.device.type == "cuda" else "torch"
     if kind == "torch":
@@ -93,13 +93,16 @@ def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, 
     raise ValueError(f"engine must be 'auto', 'torch', 'cuda' or a callable, got {kind!r}")
 
 
-def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes):
+def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, create: bool):
     """(store, owned): open a directory or file:// URL, or check a caller's RemoteStore."""
     if isinstance(remote, (str, os.PathLike)):
         from kvtier.tiers.remote import RemoteStore
+        from kvtier.tiers.remote.labels import format_fields
 
         store = RemoteStore(os.fspath(remote), namespace=namespace.digest, page_bytes=fmt.page_bytes,
-                            capacity_bytes=capacity_bytes)
+                            capacity_bytes=capacity_bytes, create=create,
+                            namespace_label={"model": namespace.model, "rank": namespace.rank,
+                                             "format": format_fields(fmt)})
         return store, True
     if not all(hasattr(remote, name) for name in ("put_ids", "get_ids", "contains_ids", "page_bytes", "namespace")):
         raise TypeError(
@@ -120,8 +123,9 @@ class TieredPool(Movement, TierRoom):
     or a callable (device_tier, host_tier) -> TransferEngine. copy_path picks the CUDA
     engine's way of moving bytes ("auto", "kernel", "copy_engine", "staged", "torch").
     remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
-    RemoteStore the caller owns (same page size and namespace as this pool).
-    host_bytes, when given, sizes the host tier in bytes (whole pages) instead of host_pages.
+    RemoteStore the caller owns (same page size and namespace as this pool); remote_create
+    lets the pool create missing parent directories of a remote path.
+    host_pages (default 4096) or host_bytes (whole pages of that many bytes) sizes the host tier; not both.
     close_timeout_s bounds `close()` (flush included) when the remote tier hangs.
     remote_backoff_s / remote_backoff_max_s: first and longest pause between backup attempts
     while the remote tier fails. remote_queue_depth: prefetch hints queued at most.
@@ -139,7 +143,7 @@ class TieredPool(Movement, TierRoom):
         fmt: PageFormat,
         device: str | torch.device | None = None,
         device_pages: int | None = None,
-        host_pages: int = 4096,
+        host_pages: int | None = None,
         write_policy: str = "write_through",
         eviction: str = "lru",
         engine: str | Callable = "auto",
@@ -160,15 +164,18 @@ class TieredPool(Movement, TierRoom):
         device_kv: tuple | None = None,
         device_scales: tuple | None = None,
         background_copies: bool = True,
+        remote_create: bool = False,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
+        check_host_size(host_pages, host_bytes)
+        if host_pages is None:
+            host_pages = 4096
         if host_bytes is not None:
             if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < fmt.page_bytes:
                 raise ValueError(f"host_bytes must be an int of at least one page ({fmt.page_bytes} bytes), got {host_bytes!r}")
             host_pages = host_bytes // fmt.page_bytes
-        if copy_path not in COPY_PATHS:
-            raise ValueError(f"copy_path must be one of {COPY_PATHS}, got {copy_path!r}")
+        check_copy_path(copy_path)
         check_positive(remote_queue_depth, "remote_queue_depth", integer=True)
         check_positive(close_timeout_s, "close_timeout_s")
         check_positive(remote_batch_bytes, "remote_batch_bytes", integer=True)
@@ -179,7 +186,7 @@ class TieredPool(Movement, TierRoom):
             device_pages = 1024
         self.device_tier = DeviceTier(fmt, device_pages, device, kv=device_kv, scales=device_scales)
         device_pages = self.device_tier.num_pages
-        self.host_tier = HostTier(fmt, host_pages)
+        self.host_tier = HostTier(fmt, host_pages, size=None if host_bytes is None else ("host_bytes", host_bytes))
         self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
         self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages), compact_keys=False)
         self._host = TierIndex("host", host_pages, make_policy(eviction, host_pages))
@@ -214,7 +221,7 @@ class TieredPool(Movement, TierRoom):
         self.name = register_pool(registry, self, name)
         if remote is not None:
             try:
-                self.remote, self._owns_remote = _open_remote(remote, fmt, self.namespace, remote_capacity_bytes)
+                self.remote, self._owns_remote = _open_remote(remote, fmt, self.namespace, remote_capacity_bytes, remote_create)
                 # One registration of the whole host tier: batches then skip per-call registration.
                 self.remote.register_host_memory(self.host_tier.buffer.view(-1))
             except BaseException:
@@ -229,14 +236,6 @@ class TieredPool(Movement, TierRoom):
         if background_copies:
             self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
             self._offloader.start()
-
-    @classmethod
-    def from_config(cls, config: Mapping | str | os.PathLike | None = None, **overrides: object) -> TieredPool:
-        """A pool from a mapping or a JSON / TOML / YAML file, with KVTIER_* environment
-        overrides and human sizes ("64GiB"); keyword overrides win (kvtier.config)."""
-        from kvtier.config import pool_kwargs
-
-        return cls(**pool_kwargs(config, **overrides))
 
     # --- engine-facing views -------------------------------------------------------------
     def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:

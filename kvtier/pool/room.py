@@ -196,7 +196,7 @@ class TierRoom:
                 self._drop_logged = True
                 log.warning(
                     "remote tier unavailable (%s): dropping host pages that could not be made durable to make room; "
-                    "they are counted in kvtier_dropped_pages{reason=\"remote_unavailable\"}",
+                    "they are counted in kvtier_dropped_pages_total{reason=\"remote_unavailable\"}",
                     self._breaker.last_error,
                 )
         durable_below = self._link is not None

@@ -16,13 +16,60 @@ or reallocate engine-owned tensors: the engine's kernels read those very tensors
 
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
 
 from kvtier.format import PageFormat
+from kvtier.errors import DeviceError, TierSizeError
+from kvtier.tiers.memory import check_fits, gib
 
 PLANE_NAMES = ("K", "V")
+DEVICE_TYPES = ("cpu", "cuda")
+# Names people reach for that torch spells otherwise.
+_DEVICE_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "cuda0": "cuda:0", "host": "cpu"}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device ``device`` names, if the device tier can live there on this machine;
+    DeviceError naming the value, what is there (the CUDA build and devices) and the fix."""
+    if isinstance(device, torch.device):
+        found = device
+    elif isinstance(device, str):
+        try:
+            found = torch.device(device)
+        except RuntimeError:
+            word = device.strip().lower()
+            near = _DEVICE_ALIASES.get(word) or next(iter(difflib.get_close_matches(word, DEVICE_TYPES, 1, 0.5)), None)
+            hint = f"did you mean {near!r}? " if near else ""
+            raise DeviceError(
+                f"device={device!r} is not a device name: {hint}expected 'cpu', 'cuda' or 'cuda:N'"
+            ) from None
+    else:
+        raise DeviceError(
+            f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}"
+        )
+    if found.type not in DEVICE_TYPES:
+        raise DeviceError(f"device={device!r}: kvtier's device tier runs on 'cpu' or 'cuda', not {found.type!r}")
+    if found.type == "cuda":
+        if torch.version.cuda is None:
+            raise DeviceError(
+                f"device={device!r} needs CUDA, but this torch {torch.__version__} is a CPU-only build: install a "
+                "CUDA build (pip install torch --index-url https://download.pytorch.org/whl/cu130) or use device='cpu'"
+            )
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise DeviceError(
+                f"device={device!r} needs a GPU, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees none: "
+                "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or use device='cpu'"
+            )
+        if found.index is not None and found.index >= count:
+            raise DeviceError(
+                f"device={device!r}: this machine has {count} visible GPU{'s' if count > 1 else ''} "
+                f"(cuda:0 to cuda:{count - 1}); pick one of those"
+            )
+    return found
 
 
 class DeviceTier:
@@ -53,7 +100,7 @@ class DeviceTier:
                 raise ValueError("device scales were given without device kv; pass both or neither")
             if num_pages is None:
                 raise ValueError("device_pages is required when the tier allocates its own pages (kv=None)")
-            self._allocate(num_pages, torch.device("cpu" if device is None else device))
+            self._allocate(num_pages, resolve_device("cpu" if device is None else device))
             return
         planes = _planes_of(fmt, kv, "kv", fmt.plane_shape, fmt.device_torch_dtype)
         self.num_pages = _pages_of(fmt, planes, "kv", num_pages)
@@ -79,6 +126,21 @@ class DeviceTier:
         fmt = self.fmt
         self.num_pages = num_pages
         self.device = device
+        per_page = fmt.num_layers * fmt.planes * (
+            fmt.device_plane_bytes + (fmt.plane_scale_bytes if fmt.device_has_scales else 0)
+        )
+        check_fits("device_pages", num_pages, num_pages * per_page, per_page, device)
+        try:
+            self._allocate_tensors(num_pages, device)
+        except torch.OutOfMemoryError as err:  # the check raced another allocation
+            raise TierSizeError(
+                f"device_pages={num_pages} ({gib(num_pages * per_page)}) could not be allocated on {device}: "
+                f"{str(err).splitlines()[0]}; set device_pages lower"
+            ) from None
+        self.device = self._kv.device
+
+    def _allocate_tensors(self, num_pages: int, device: torch.device) -> None:
+        fmt = self.fmt
         self._kv = torch.empty(
             (fmt.num_layers, fmt.planes, num_pages, *fmt.plane_shape), dtype=fmt.device_torch_dtype, device=device
         )
@@ -91,7 +153,6 @@ class DeviceTier:
             self._scale_planes = [
                 [self._scales[layer, plane] for plane in range(fmt.planes)] for layer in range(fmt.num_layers)
             ]
-        self.device = self._kv.device
 
     # --- the pool's own allocation ---------------------------------------------------------
     @property
@@ -279,7 +340,7 @@ def _device_of(fmt: PageFormat, planes: list[list[torch.Tensor]], what: str, dev
                     f"expected {found} like layer 0"
                 )
     if device is not None:
-        wanted = torch.device(device)
+        wanted = resolve_device(device)
         if wanted.type == "cuda" and wanted.index is None and found.type == "cuda":
             wanted = torch.device("cuda", torch.cuda.current_device())
         if wanted != found:

@@ -10,25 +10,44 @@ It must never track which page is in which slot: that is the index's job.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import weakref
 
 import torch
 
 from kvtier.format import PageFormat
+from kvtier.errors import TierSizeError
+from kvtier.tiers.memory import check_fits, gib
 
 
 class HostTier:
-    def __init__(self, fmt: PageFormat, num_pages: int, pin: bool | None = None) -> None:
+    """``num_pages`` page records of ``fmt``. ``size``: the pool keyword and value the caller
+    sized the tier with, named when the machine cannot give the memory (default
+    ``("host_pages", num_pages)``; a pool sized by bytes passes ``("host_bytes", value)``)."""
+
+    def __init__(
+        self, fmt: PageFormat, num_pages: int, pin: bool | None = None, size: tuple[str, object] | None = None
+    ) -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"host_pages must be a positive int, got {num_pages!r}")
+        key, value = size or ("host_pages", num_pages)
         self.fmt = fmt
         self.num_pages = num_pages
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned and not torch.cuda.is_available():
             raise ValueError("host tier pin=True needs CUDA; this machine has none")
         nbytes = num_pages * fmt.page_bytes
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        check_fits(key, value, nbytes, fmt.page_bytes, torch.device("cpu"))
+        try:
+            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as err:
+            if err.errno != errno.ENOMEM:
+                raise
+            raise TierSizeError(
+                f"{key}={value!r}: the kernel refused to map {gib(nbytes)} ({nbytes} bytes) of host memory "
+                f"({err.strerror}; see ulimit -v and vm.overcommit_memory): set {key} lower"
+            ) from None
         self.buffer = torch.frombuffer(mapping, dtype=torch.uint8).view(num_pages, fmt.page_bytes)
         ptr = self.buffer.data_ptr()
         if self.pinned:

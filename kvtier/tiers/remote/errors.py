@@ -26,3 +26,9 @@ class StoreUnsafe(RuntimeError):
 
 class StoreBusy(RuntimeError):
     """The store is being rebuilt, or is open elsewhere while a rebuild was asked for."""
+
+
+class StoreLocationError(OSError):
+    """The store directory cannot be opened or created where it was asked for: a parent that
+    is a file or does not exist, a read-only file system, a directory this process cannot
+    write. ``errno`` is the system's; the message names the store directory and the fix."""

@@ -136,6 +136,9 @@ CREATE TABLE free_slots (
 ) WITHOUT ROWID;
 CREATE INDEX free_by_stride ON free_slots (slot_stride, free_after);
 """
+# Readable labels of namespaces (kvtier.tiers.remote.labels), for people only; added without a
+# schema change, so an index written before it gains the table when it is next opened.
+_LABELS_TABLE = "CREATE TABLE IF NOT EXISTS namespace_labels (ns BLOB PRIMARY KEY, label TEXT NOT NULL) WITHOUT ROWID"
 
 
 class SlotRef(NamedTuple):
@@ -359,6 +362,7 @@ class RemoteIndex:
                     "('used_bytes', 0), ('pages', 0), ('removals', 0)",
                     (SCHEMA_VERSION,),
                 )
+                db.execute(_LABELS_TABLE)
                 return
             row = None
             if "meta" in tables:
@@ -372,8 +376,9 @@ class RemoteIndex:
                     f"store's pages cannot be served. Move or delete {self.directory} (or give "
                     "the pool another directory) to start an empty store there."
                 )
-            # An index written before the removal counter existed (same schema otherwise).
+            # An index written before the removal counter or the labels existed (same schema otherwise).
             db.execute("INSERT OR IGNORE INTO meta VALUES ('removals', 0)")
+            db.execute(_LABELS_TABLE)
 
     def set_busy_timeout(self, seconds: float) -> None:
         """How long a transaction waits for another process's write lock."""
@@ -601,6 +606,20 @@ class RemoteIndex:
             )
 
         self._in_steps(touches, write)
+
+    def set_label(self, ns: bytes, label: str) -> None:
+        """Keep ``label`` (JSON, kvtier.tiers.remote.labels) as the readable name of ``ns``."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO namespace_labels VALUES (?, ?) ON CONFLICT (ns) DO UPDATE SET label = excluded.label "
+                "WHERE label != excluded.label",
+                (ns, label),
+            )
+
+    def namespaces(self) -> list[tuple[bytes, int, int, str | None]]:
+        """(ns, pages, used bytes, label or None) of every namespace holding pages."""
+        with self._reading() as db:
+            return namespace_rows(db)
 
     def stats(self, ns: bytes) -> dict[str, int]:
         """Page counts and bytes of namespace ``ns`` and of the whole store, from counters the
@@ -964,3 +983,19 @@ class RemoteIndex:
         finally:
             self._background.shutdown(wait=True)
             self._close_connections()
+
+
+def stored_labels(db: sqlite3.Connection) -> dict[bytes, str]:
+    """ns -> label JSON of every labelled namespace; {} for an index without the labels table
+    (one no kvtier with labels has opened)."""
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'namespace_labels'").fetchone():
+        return {}
+    return dict(db.execute("SELECT ns, label FROM namespace_labels"))
+
+
+def namespace_rows(db: sqlite3.Connection) -> list[tuple[bytes, int, int, str | None]]:
+    """(ns, pages, used bytes, label or None) of every namespace with pages, most pages first,
+    from the kept counters."""
+    labels = stored_labels(db)
+    rows = db.execute("SELECT ns, pages, used_bytes FROM namespaces WHERE pages > 0 ORDER BY pages DESC")
+    return [(ns, pages, used, labels.get(ns)) for ns, pages, used in rows]

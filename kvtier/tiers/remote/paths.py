@@ -5,6 +5,11 @@ checks made before any file in it is opened (no symbolic links, an owner that is
 unless allowed otherwise), and the advisory lock that tells a running store from an index
 rebuild. It must never read or write records or the index's contents.
 
+Where: the store directory is created if missing, but its parent must exist unless the caller
+asks for creation (``create=True``): a mistyped mount point must not fill the root disk. A
+directory this process cannot write (read-only file system, permissions, immutable) is refused
+before any file is opened, naming the directory.
+
 Modes: files 0600 and directories 0700, or 0660 / 0770 with ``shared_group=True`` for a
 group of users sharing one store. Modes are set with ``fchmod`` after creation, so the umask
 can neither widen nor narrow them.
@@ -25,7 +30,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from kvtier.tiers.remote.errors import StoreBusy, StoreUnsafe
+from kvtier.tiers.remote.errors import StoreBusy, StoreLocationError, StoreUnsafe
 
 INDEX_FILENAME = "index.sqlite3"
 INDEX_SIDE_FILES = ("-wal", "-shm")
@@ -69,15 +74,82 @@ def _make_directory(path: str, mode: int) -> None:
     os.chmod(path, mode, follow_symlinks=False)
 
 
-def open_store_directory(path: str, modes: Modes, allow_foreign_owner: bool) -> int:
+def _nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _create_directory(path: str, modes: Modes, create: bool) -> None:
+    """Create the store directory; its parents too only when ``create``."""
+    parent = os.path.dirname(path)
+    existing = _nearest_existing(parent)
+    if not os.path.isdir(existing):
+        raise StoreLocationError(
+            errno.ENOTDIR,
+            f"store directory {path}: {existing} is a file, not a directory; give the store a path "
+            "inside a directory (remote=/path/to/dir)",
+        )
+    if existing != parent and not create:
+        raise StoreLocationError(
+            errno.ENOENT,
+            f"store directory {path}: its parent {parent} does not exist ({existing} is the nearest "
+            "that does); check the path (a mistyped mount point would fill the disk below it), or "
+            "pass create=True (config key remote_create = true) to create the missing directories",
+        )
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _make_directory(path, modes.directory)
+    except OSError as exc:
+        raise StoreLocationError(exc.errno, f"store directory {path} cannot be created: {_why(exc, existing)}") from exc
+
+
+def _why(exc: OSError, path: str) -> str:
+    """The cause of an OSError at ``path`` in words, with the fix."""
+    if exc.errno == errno.EROFS or _read_only(path):
+        return f"{path} is on a read-only file system ({_mount_point(path)}); put the store on a writable one"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"this process (uid {os.geteuid()}) may not write {path} ({exc.strerror}; mode "
+            f"{stat.S_IMODE(os.stat(path).st_mode):o}, owner uid {os.stat(path).st_uid}); give it write "
+            "permission or pick a directory it owns"
+        )
+    return f"{exc.strerror} ({path})"
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _mount_point(path: str) -> str:
+    """Where the file system holding ``path`` is mounted: the longest mount point above it in
+    /proc/self/mounts (bind mounts included), else the nearest ``os.path.ismount``."""
+    path = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            points = [line.split()[1].encode().decode("unicode_escape") for line in f if line.strip()]
+    except OSError:
+        points = []
+    inside = [p for p in points if path == p or path.startswith(p.rstrip("/") + "/")]
+    if inside:
+        return f"mounted at {max(inside, key=len)}"
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return f"mounted at {path}"
+
+
+def open_store_directory(path: str, modes: Modes, allow_foreign_owner: bool, create: bool = False) -> int:
     """Create the store directory if needed and return an ``O_DIRECTORY`` descriptor of it.
 
     The directory itself may be reached through a link (that is the caller's choice of
-    path); its owner must be the caller unless ``allow_foreign_owner``."""
+    path); its owner must be the caller unless ``allow_foreign_owner``; missing parents are
+    created only with ``create``; a directory this process cannot write is refused."""
+    path = os.path.abspath(path)
     if not os.path.isdir(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        _make_directory(path, modes.directory)
+        _create_directory(path, modes, create)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         owner = os.fstat(fd).st_uid
@@ -85,6 +157,11 @@ def open_store_directory(path: str, modes: Modes, allow_foreign_owner: bool) -> 
             raise StoreUnsafe(
                 f"store directory {path} belongs to uid {owner}, not to this process (uid "
                 f"{os.geteuid()}); open it with allow_foreign_owner=True if that user is trusted"
+            )
+        if not os.access(path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            code = errno.EROFS if _read_only(path) else errno.EACCES
+            raise StoreLocationError(
+                code, f"store directory {path} is not writable: {_why(OSError(code, os.strerror(code)), path)}"
             )
     except BaseException:
         os.close(fd)

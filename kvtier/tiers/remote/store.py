@@ -126,12 +126,13 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from kvtier.errors import SettingError
 from kvtier.index.keys import KEY_ID_BYTES, key_ids
-from kvtier.tiers.remote import records
+from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
 from kvtier.tiers.remote.faults import FaultInjector
 from kvtier.tiers.remote.presence import RECHECK_S as PRESENCE_RECHECK_S
@@ -234,7 +235,11 @@ class RemoteStore:
     ``presence_recheck_s``: ``contains`` answers keys it found published from memory while no
     process has removed pages, and reads the index's removal counter at least this often, so a
     page another process removed is reported present for at most this long (0: always ask the
-    index; pages this process removes are never reported). Security:
+    index; pages this process removes are never reported). ``create``: make missing parent
+    directories of ``location`` too (without it only the store directory itself is created,
+    so a mistyped mount point is refused). ``namespace_label``: what the namespace is, for people
+    (the pool passes its model, rank and page format; see ``labels``): kept in the index, and
+    the store logs once at open which other namespaces it holds pages of. Security:
     ``shared_group``, ``allow_foreign_owner``, ``mac_key`` (see the module docstring).
     """
 
@@ -260,13 +265,18 @@ class RemoteStore:
         allow_foreign_owner: bool = False,
         mac_key: Optional[bytes] = None,
         presence_recheck_s: float = PRESENCE_RECHECK_S,
+        create: bool = False,
+        namespace_label: Optional[Mapping[str, object]] = None,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes {page_bytes!r}; expected a positive int")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes {capacity_bytes!r}; expected None or > 0")
+        if capacity_bytes is not None and capacity_bytes < _round_up(page_bytes, SLOT_ALIGN):
+            raise SettingError(
+                f"capacity_bytes {capacity_bytes!r} holds no page: expected None or at least one slot of "
+                f"{_round_up(page_bytes, SLOT_ALIGN)} bytes ({page_bytes}-byte pages)"
+            )
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(
                 f"watermarks low={low_watermark!r} high={high_watermark!r}; "
@@ -304,7 +314,7 @@ class RemoteStore:
         records.require_crc32c()
         api = load_nixl_api()
         modes = Modes.for_store(shared_group)
-        self._dir_fd = open_store_directory(self.directory, modes, allow_foreign_owner)
+        self._dir_fd = open_store_directory(self.directory, modes, allow_foreign_owner, create)
         self._index = self._engine = self._medium = None
         try:
             lock_shared(self._dir_fd, self.directory)
@@ -330,6 +340,10 @@ class RemoteStore:
             self.capacity_bytes = (
                 capacity_bytes if capacity_bytes is not None else self._default_capacity()
             )
+            label = {} if namespace_label is None else labels.decode(labels.encode(namespace_label))
+            if namespace_label is not None:
+                self._index.set_label(self._ns_fp, labels.encode(namespace_label))
+            self._log_other_namespaces(label)
         except BaseException:
             self._release_resources()
             raise
@@ -341,6 +355,27 @@ class RemoteStore:
         self._calls = threading.Condition()
         self._in_flight = 0
         self._closed = False
+
+    def _log_other_namespaces(self, label: dict) -> None:
+        """Say once, at open, which other namespaces (formats, models, ranks) the store holds
+        pages of: their pages never hit this one's keys, which is silent otherwise. A warning
+        when this namespace has no pages here, else information."""
+        rows = self._index.namespaces()
+        others = [row for row in rows if row[0] != self._ns_fp]
+        if not others:
+            return
+        own = next((row[1] for row in rows if row[0] == self._ns_fp), 0)
+        listed = "; ".join(
+            f"{labels.describe(labels.decode(text), ns)}: {pages} pages ({labels.size(used)})"
+            for ns, pages, used, text in others
+        )
+        logger.log(
+            logging.WARNING if own == 0 else logging.INFO,
+            "remote store %s holds %d pages of this namespace (%s) and %d pages of %d other namespaces, "
+            "which never hit here (another page format, model or rank): %s",
+            self.directory, own, labels.describe(label, self._ns_fp), sum(row[1] for row in others),
+            len(others), listed,
+        )
 
     def _default_capacity(self) -> int:
         fs = os.statvfs(self.directory)

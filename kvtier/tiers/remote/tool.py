@@ -31,9 +31,9 @@ import time
 import urllib.request
 from typing import Callable, Optional, Sequence
 
-from kvtier.tiers.remote import records
+from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.errors import StoreBusy, StoreCorrupt, StoreUnsafe, StoreVersionMismatch
-from kvtier.tiers.remote.index import SCHEMA_VERSION, RemoteIndex, make_owner
+from kvtier.tiers.remote.index import SCHEMA_VERSION, RemoteIndex, make_owner, stored_labels
 from kvtier.tiers.remote.paths import (
     INDEX_FILENAME,
     INDEX_SIDE_FILES,
@@ -232,7 +232,12 @@ def _check_index(db: sqlite3.Connection, report: dict) -> None:
                 f"namespace {ns.hex()}: kept counters {kept.get(ns, (0, 0))}, pages table "
                 f"{counted.get(ns, (0, 0))}"
             )
-    report["namespaces"] = {ns.hex(): n for ns, (n, _) in counted.items()}
+    stored = stored_labels(db)
+    report["namespaces"] = {
+        ns.hex(): {"pages": n, "used_bytes": b, "describe": labels.describe(labels.decode(stored.get(ns)), ns),
+                   "label": labels.decode(stored.get(ns))}
+        for ns, (n, b) in sorted(counted.items(), key=lambda item: -item[1][0])
+    }
     if allocated != pages + reserved + free:
         problems.append(
             f"slot states do not add up: {allocated} slots handed out, {pages} published + "
@@ -464,13 +469,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier store", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="check the index and the records it names; changes nothing")
-    check.add_argument("path")
+    check.add_argument("path", help="the store's directory or file:// URL")
     check.add_argument("--payloads", action="store_true",
                        help="also read every published payload and verify its CRC32C (and MAC)")
     rebuild = commands.add_parser(
         "rebuild", help="move the index aside and rebuild it from the segment files (store closed)"
     )
-    rebuild.add_argument("path")
+    rebuild.add_argument("path", help="the store's directory or file:// URL")
     for sub in (check, rebuild):
         sub.add_argument("--json", action="store_true", help="print the report as JSON")
         sub.add_argument("--mac-key-file", help="file holding the store's mac_key (raw bytes)")
@@ -509,6 +514,8 @@ def _print_report(command: str, report: dict) -> None:
                 print(f"  {name}: {report[name]}")
         if "index" in report:
             print(f"  index: {report['index']}")
+        for ns, entry in report.get("namespaces", {}).items():
+            print(f"  namespace {ns}: {entry['describe']}: {entry['pages']} pages, {labels.size(entry['used_bytes'])}")
         return
     print(f"{report['path']}: index rebuilt; damaged index kept as {report['moved_aside'] or 'nothing (there was none)'}")
     for name in ("segments", "pages_published", "records", "superseded", "empty_slots", "torn_headers",
