@@ -87,6 +87,20 @@ def _pool_regions(pool: Any) -> list[torch.Tensor]:
     return tensors
 
 
+def _namespace_label(fields: dict) -> dict:
+    """What ``kvtier store check`` and other pools show for this namespace (labels.describe)."""
+    geometry = fields.get("geometry") or {}
+    return {
+        "model": fields.get("model"),
+        "rank": (fields.get("tp") or [None])[0],
+        "format": {"dtype": fields.get("kv_dtype", "").replace("torch.", ""), "page_size": fields.get("page_size"),
+                   "num_layers": fields.get("layers"), "num_kv_heads": geometry.get("head_num"),
+                   "head_dim": geometry.get("head_dim") or geometry.get("kv_lora_rank"),
+                   "mla": geometry.get("kind") == "mla", "layout": fields.get("layout")},
+        "sglang": {"pool": fields.get("pool"), "tag": fields.get("tag"), "pieces": fields.get("piece_bytes")},
+    }
+
+
 def _is_storage_writer(config: HiCacheStorageConfig) -> bool:
     """SGLang's ``is_storage_writer`` (0.5.23); sglang 0.5.17's config has none, and there an MLA
     page is written by TP rank 0 alone, as its Mooncake backend does."""
@@ -228,6 +242,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 self.settings.path,
                 namespace=namespace,
                 page_bytes=sum(piece_sizes),
+                namespace_label=_namespace_label(fields),
                 **self.settings.store_kwargs,
             )
             try:
