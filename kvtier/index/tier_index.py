@@ -25,7 +25,7 @@ from kvtier.index.slot_list import BULK, SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
 S = PageState
-_FREE, _DIRTY = int(S.FREE), int(S.DIRTY)
+_FREE, _DIRTY, _FILLING = int(S.FREE), int(S.DIRTY), int(S.FILLING)
 _LEGAL_TO = {new: [row[new] for row in LEGAL] for new in PageState}
 _EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
 _READABLE = [s in READABLE for s in PageState]
@@ -95,6 +95,32 @@ class TierIndex:
 
     def id_of(self, slot: int) -> bytes:
         return self.table.id_of(slot)
+
+    def ids_of(self, slots: Sequence[int]) -> list[bytes]:
+        """The key id of each slot, in order (every one must hold a key)."""
+        return self.table.ids_of(slots)
+
+    def idle(self, slots: Sequence[int]) -> list[int]:
+        """The slots of `slots` no copy is using, in order (long batches in numpy)."""
+        if len(slots) >= BULK:
+            at = np.asarray(slots, dtype=np.int64)
+            return at[self._np_busy[at] == 0].tolist()
+        busy = self.busy
+        return [slot for slot in slots if not busy[slot]]
+
+    def first_unfresh(self, slots: Sequence[int]) -> int:
+        """The first of `slots` that is not an allocated, uncommitted slot an engine holds
+        (FILLING, unkeyed, pinned, no copy in flight), or -1. Long batches in numpy."""
+        if len(slots) >= BULK:
+            at = np.asarray(slots, dtype=np.int64)
+            bad = ((self._np_state[at] != _FILLING) | (self._np_pins[at] == 0) | (self._np_busy[at] != 0)
+                   | self.table.keyed(at))
+            return int(at[bad.argmax()]) if bad.any() else -1
+        state, pins, busy, holds_key = self.state, self.pins, self.busy, self.table.holds_key
+        for slot in slots:
+            if state[slot] != _FILLING or not pins[slot] or busy[slot] or holds_key(slot):
+                return slot
+        return -1
 
     def slots_in(self, state: PageState) -> list[int]:
         """Every slot in `state` (one vectorized scan of the states: O(capacity) in C)."""
@@ -321,11 +347,9 @@ class TierIndex:
             if busy_delta:
                 self.busy_slots += count
 
-    def bind_all(self, slots: Iterable[int], kids: Iterable[bytes]) -> None:
+    def bind_all(self, slots: Sequence[int], kids: Sequence[bytes]) -> None:
         """Key each slot (FILLING or LOADING, unkeyed) with its id."""
-        bind = self.table.bind
-        for slot, kid in zip(slots, kids):
-            bind(kid, slot)
+        self.table.bind_many(kids, slots)
 
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:

@@ -310,21 +310,24 @@ class TieredPool(Movement, TierRoom):
             dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
-            hstate = host.state
-            fresh_ids, fresh_slots, clean, dirty, absent_slots, absent_ids = [], [], [], [], [], []
-            for kid, slot, d in zip(ids, slots, dev.table.get_many(ids)):
-                if d < 0:
-                    fresh_ids.append(kid)
-                    fresh_slots.append(slot)
-            for kid, slot, h in zip(fresh_ids, fresh_slots, host.table.get_many(fresh_ids)):
-                if h < 0:
-                    dirty.append(slot)
-                    absent_slots.append(slot)
-                    absent_ids.append(kid)
-                elif _READABLE[hstate[h]]:
-                    clean.append(slot)
-                else:  # the host tier is still fetching it: dirty until that lands
-                    dirty.append(slot)
+            # Fresh pages no tier holds (the common commit) skip both loops.
+            found = dev.table.get_many(ids)
+            fresh_ids, fresh_slots = (ids, slots) if max(found, default=-1) < 0 else (
+                [k for k, d in zip(ids, found) if d < 0], [s for s, d in zip(slots, found) if d < 0])
+            found = host.table.get_many(fresh_ids)
+            clean, dirty, absent_slots, absent_ids = [], fresh_slots, fresh_slots, fresh_ids
+            if max(found, default=-1) >= 0:
+                hstate = host.state
+                dirty, absent_slots, absent_ids = [], [], []
+                for kid, slot, h in zip(fresh_ids, fresh_slots, found):
+                    if h < 0:
+                        dirty.append(slot)
+                        absent_slots.append(slot)
+                        absent_ids.append(kid)
+                    elif _READABLE[hstate[h]]:
+                        clean.append(slot)
+                    else:  # the host tier is still fetching it: dirty until that lands
+                        dirty.append(slot)
             self.counters.duplicate_commits += len(ids) - len(fresh_ids)
             dev.bind_all(fresh_slots, fresh_ids)
             dev.set_states(clean, S.RESIDENT)
@@ -802,7 +805,8 @@ class TieredPool(Movement, TierRoom):
                 victims = victims[:n] if n is not None else victims
             else:
                 victims = index.victims(index.capacity if n is None else n)
-            chosen = [(slot, index.id_of(slot)) for slot in victims]
+            ids_chosen = index.ids_of(victims)
+            chosen = list(zip(victims, ids_chosen))
             if tier == "device":
                 self._evict_device(victims)
             else:
@@ -822,7 +826,7 @@ class TieredPool(Movement, TierRoom):
                         slot in self._backup_queue or host.state[slot] == S.OFFLOADING)]
                 wait = self._progress_waiter(tier) if waiting else None
                 if wait is None:
-                    return sum(1 for slot, kid in chosen if index.lookup(kid) != slot)
+                    return sum(1 for slot, now in zip(victims, index.table.get_many(ids_chosen)) if now != slot)
             wait()
 
     def flush(self) -> int:
@@ -863,7 +867,10 @@ class TieredPool(Movement, TierRoom):
                 # would copy a page again after flush returned, once something made it dirty.
                 self._pending_down.clear()
                 dev = self._dev
-                dev_dirty = [s for s in dev.dirty if keep(dev.hits[s]) and not dev.busy[s]]
+                dev_dirty = dev.dirty.first(len(dev.dirty))
+                if not self.write_policy.keeps_every_page:
+                    dev_dirty = [s for s in dev_dirty if keep(dev.hits[s])]
+                dev_dirty = dev.idle(dev_dirty)
                 # A copy down needs host room, which an unhealthy remote tier makes by dropping
                 # dirty host pages: the first round lets the probe answer before copying down.
                 waiting_for_probe = (probe_first and dev_dirty and self._link is not None
@@ -900,10 +907,12 @@ class TieredPool(Movement, TierRoom):
         for index in (self._dev, self._host):
             out: set[bytes] = set()
             if index is self._dev or self._link is not None:
-                id_of, hits = index.id_of, index.hits
-                out.update(id_of(s) for s in index.dirty if keep(hits[s]))
+                hits = index.hits
+                dirty = index.dirty.members()
+                out.update(index.ids_of(dirty if self.write_policy.keeps_every_page else
+                                        [s for s in dirty if keep(hits[s])]))
                 if index.counts[S.OFFLOADING]:
-                    out.update(map(id_of, index.slots_in(S.OFFLOADING)))
+                    out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
             found.append(out)
         return found[0], found[1]
 
@@ -1024,9 +1033,9 @@ class TieredPool(Movement, TierRoom):
     def _check_fresh(self, op: str, slots: list[int]) -> None:
         """Every slot came from allocate, is still held by the engine and holds no page yet."""
         dev = self._dev
-        for slot in slots:
-            if dev.state[slot] != S.FILLING or dev.table.holds_key(slot) or not dev.pins[slot] or dev.busy[slot]:
-                raise ValueError(
-                    f"{op}: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
-                    f"it is {S(dev.state[slot]).name} with {dev.pins[slot]} holds"
-                )
+        slot = dev.first_unfresh(slots)
+        if slot >= 0:
+            raise ValueError(
+                f"{op}: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
+                f"it is {S(dev.state[slot]).name} with {dev.pins[slot]} holds"
+            )
