@@ -89,7 +89,10 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
     if type(keys) is not list and type(keys) is not tuple:
         keys = list(keys)
     # Every key seen just now (a load after its match, a step after the last): all in C.
-    out = list(map(_young.get, keys))
+    try:
+        out = list(map(_young.get, keys))
+    except TypeError:  # an unhashable key: the loop below names it
+        out = [None]
     if None not in out and set(map(type, keys)) <= _PLAIN:
         return out
     out = []

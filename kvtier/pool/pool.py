@@ -77,6 +77,10 @@ _LOAD_PATIENCE_S = 30.0
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
+# ... up to this many bytes a chunk (or _FIRST_CHUNK pages): a chunk's copy then outlasts the
+# next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
+# load's copies run back to back instead of waiting for one last chunk of most of the batch.
+_CHUNK_BYTES = 64 << 20
 
 
 def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
@@ -531,9 +535,9 @@ class TieredPool(Movement, TierRoom):
         Device pages are held where they are; host pages land in new slots keyed at once
         (FREE -> LOADING).
 
-        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time),
-        each chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes
-        start moving after one small chunk of Python rather than after all of it. A chunk that
+        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up
+        to _CHUNK_BYTES), each chunk's copy submitted before the next chunk's bookkeeping, so a
+        large load's bytes start moving after one small chunk of Python rather than after all of it. A chunk that
         finds a key it cannot load now cancels the chunks before it: their pages lose their keys
         at once and their slots are freed when their copies land.
         """
@@ -546,9 +550,10 @@ class TieredPool(Movement, TierRoom):
         started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
         ready = None
         pos, chunk = 0, _FIRST_CHUNK
+        largest = max(_FIRST_CHUNK, _CHUNK_BYTES // self.fmt.page_bytes)
         while pos < len(ids):
             end = min(pos + chunk, len(ids))
-            chunk *= _CHUNK_GROWTH
+            chunk = min(chunk * _CHUNK_GROWTH, largest)
             srcs = []
             dslots = dget_many(ids[pos:end])
             if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
