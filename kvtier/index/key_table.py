@@ -14,7 +14,6 @@ A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry)
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 from array import array
@@ -282,7 +281,8 @@ class DictKeyTable:
             kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
             raise ValueError(f"key id {kid.hex()} is already in slot {self._map.get(kid, slots[kids.index(kid)])}")
         self._map.update(zip(kids, slots))
-        collections.deque(map(ids.__setitem__, slots, kids), maxlen=0)  # ids[slot] = kid, each, in C
+        for slot, kid in zip(slots, kids):
+            ids[slot] = kid
 
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""

@@ -168,9 +168,9 @@ class SlotList:
 
     def members(self) -> list[int]:
         """Every listed slot, in no particular order: a vectorized scan of the membership flags
-        when at least one slot in DENSE of the capacity is listed (then no slower than the walk),
-        else the walk from the front."""
-        if self._len * DENSE >= self.capacity:
+        when at least BULK slots, and one slot in DENSE of the capacity, are listed (then no
+        slower than the walk), else the walk from the front."""
+        if self._len >= BULK and self._len * DENSE >= self.capacity:
             return np.flatnonzero(self._np_member).tolist()
         return self.first(self._len)
 

@@ -349,7 +349,12 @@ class TierIndex:
 
     def bind_all(self, slots: Sequence[int], kids: Sequence[bytes]) -> None:
         """Key each slot (FILLING or LOADING, unkeyed) with its id."""
-        self.table.bind_many(kids, slots)
+        if len(slots) >= BULK:
+            self.table.bind_many(kids, slots)
+            return
+        bind = self.table.bind
+        for slot, kid in zip(slots, kids):
+            bind(kid, slot)
 
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:

@@ -25,7 +25,7 @@ def check_slots(slots: Iterable[object], capacity: int) -> list[int]:
     """
     if isinstance(slots, (str, bytes)):
         raise TypeError(f"slots must be a sequence of ints, got {type(slots).__name__} {slots!r}")
-    if type(slots) is list and slots and set(map(type, slots)) == {int}:  # the common case, in C
+    if type(slots) is list and len(slots) >= 64 and set(map(type, slots)) == {int}:  # a long batch, in C
         if min(slots) < 0 or max(slots) >= capacity:
             bad = min(slots) if min(slots) < 0 else max(slots)
             raise ValueError(f"device slot {bad} out of range [0, {capacity})")
