@@ -249,6 +249,26 @@ def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch)
             assert all((s in batch) == (s in one) for s in range(capacity))
 
 
+def test_discard_many_of_one_stretch_or_all_keeps_the_order(monkeypatch):
+    """The two short cuts of discard_many (one run of the order leaves; every slot leaves)."""
+    rng = random.Random(6)
+    monkeypatch.setattr(slot_list, "BULK", 1)
+    for trial in range(60):
+        order = rng.sample(range(300), rng.randint(1, 300))
+        one, batch = SlotList(300), SlotList(300)
+        one.extend(order)
+        batch.extend(order)
+        i = rng.randrange(len(order))
+        j = rng.randint(i + 1, len(order)) if trial % 5 else len(order)
+        gone = order[i:j] if trial % 5 else order
+        gone = gone + rng.sample(range(300), 3) if trial % 3 == 0 else gone  # unlisted slots too
+        rng.shuffle(gone)
+        for slot in gone:
+            one.discard(slot)
+        batch.discard_many(gone)
+        assert list(batch) == list(one) and _walk_back(batch) == list(one) and len(batch) == len(one), trial
+
+
 # --- the pool on the numpy paths -----------------------------------------------------------------
 def _workload() -> list:
     """A fixed random sequence of pool calls; returns what every call answered, and checks each

@@ -36,6 +36,13 @@ def first_of_each(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[first], order[first]
 
 
+def _within(ordered: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Whether each of `values` is in `ordered` (sorted, distinct)."""
+    at = np.searchsorted(ordered, values)
+    at[at == ordered.size] = 0
+    return ordered[at] == values
+
+
 class SlotList:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -113,7 +120,8 @@ class SlotList:
 
         In numpy: each leaving slot finds the nearest staying neighbours on both sides by
         pointer jumping over the leaving slots (log2 of the longest run of them), and those
-        neighbours are linked to each other."""
+        neighbours are linked to each other; leaving slots that form one run of the order (a
+        load of pages committed together) skip the jumping: the run's two ends give them."""
         if len(slots) < BULK:
             discard = self.discard
             for slot in slots:
@@ -129,8 +137,14 @@ class SlotList:
             self._np_member[gone] = 0
             self._len = 0
             return
-        before = self._nearest_staying(gone, prv)
-        after = self._nearest_staying(gone, nxt)
+        before, after = prv[gone].astype(np.int64), nxt[gone].astype(np.int64)
+        starts = np.flatnonzero(~_within(gone, before))
+        if starts.size == 1:  # one run of leaving slots (a stretch of the order): link its two ends
+            ends = np.flatnonzero(~_within(gone, after))
+            before, after = before[starts], after[ends]
+        else:
+            before = self._nearest_staying(gone, prv)
+            after = self._nearest_staying(gone, nxt)
         nxt[before] = after  # every slot of a run of leaving slots writes the same pair
         prv[after] = before
         self._np_member[gone] = 0
