@@ -81,6 +81,7 @@ def test_chunks_stop_growing_at_the_chunk_bytes(registry, gen, monkeypatch):
     """Past _CHUNK_BYTES a chunk grows no more, so the last chunk is never most of the load."""
     pool = _pool(registry, CountingEngine)
     monkeypatch.setattr(pool_module, "_CHUNK_BYTES", 50 * pool.fmt.page_bytes)
+    monkeypatch.setattr(pool_module, "MANY", 40)  # the floor of the cap: a chunk never gets fewer
     keys = prefix_keys(np.arange(170), 1, pool.namespace)
     expected = _write(pool, keys, gen)
     pool.evict(tier="device")

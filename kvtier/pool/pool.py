@@ -77,7 +77,7 @@ _LOAD_PATIENCE_S = 30.0
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
-# ... up to this many bytes a chunk (or _FIRST_CHUNK pages): a chunk's copy then outlasts the
+# ... up to this many bytes a chunk (or MANY pages): a chunk's copy then outlasts the
 # next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
 # load's copies run back to back instead of waiting for one last chunk of most of the batch.
 _CHUNK_BYTES = 64 << 20
@@ -550,7 +550,7 @@ class TieredPool(Movement, TierRoom):
         started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
         ready = None
         pos, chunk = 0, _FIRST_CHUNK
-        largest = max(_FIRST_CHUNK, _CHUNK_BYTES // self.fmt.page_bytes)
+        largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         while pos < len(ids):
             end = min(pos + chunk, len(ids))
             chunk = min(chunk * _CHUNK_GROWTH, largest)
