@@ -15,10 +15,11 @@ import numpy as np
 
 _NIL = -1
 # Batches at least this long are linked and unlinked with numpy (`extend`, `discard_many`), and
-# TierIndex changes their states, holds and pins with numpy. Measured on a 2-core VM (holds,
-# state changes, touches of a tier's slots): at 256 slots numpy is no faster than the loops, and
-# slower for touches at 1e6 slots of capacity; from 1,024 it is up to 1.4x faster.
-BULK = 1024
+# TierIndex changes their states, holds and pins with numpy. Measured on a 2-core VM (land, hold,
+# let go and dirty a batch of host slots, 8,192 or 1e6 of capacity): numpy is 1.5x faster than
+# the loops at 128 slots and 3x at 256 once no batch path calls np.unique (numpy 2 hashes there,
+# ten times slower than a sort); 1,024 was the threshold while they did.
+BULK = 256
 # `members` scans the flags of the whole capacity (about 0.5 ns a slot) rather than walk the
 # links (about 100 ns a listed slot) once at least one slot in DENSE is listed.
 DENSE = 64
