@@ -100,6 +100,26 @@ class TierIndex:
         """The key id of each slot, in order (every one must hold a key)."""
         return self.table.ids_of(slots)
 
+    def partition(self, kids: list[bytes], slots: list[int]) -> tuple[list[bytes], list[int], list[int], list[int]]:
+        """Pairs (id, slot elsewhere) split by whether this tier holds the id: (ids it does not
+        hold, their slots, slots of the ids it holds, where it holds them), each in order; no
+        loop when it holds none (a commit of fresh pages)."""
+        found = self.table.get_many(kids)
+        if max(found, default=-1) < 0:
+            return kids, slots, [], []
+        absent = [i for i, at in enumerate(found) if at < 0]
+        held = [i for i, at in enumerate(found) if at >= 0]
+        return [kids[i] for i in absent], [slots[i] for i in absent], [slots[i] for i in held], [found[i] for i in held]
+
+    def dirty_kept(self, keep=None, ordered: bool = True) -> list[int]:
+        """DIRTY slots whose hit counts `keep` accepts (None: every one), oldest first, or in no
+        particular order (faster for many) when not `ordered`."""
+        dirty = self.dirty.first(len(self.dirty)) if ordered else self.dirty.members()
+        if keep is None:
+            return dirty
+        hits = self.hits
+        return [slot for slot in dirty if keep(hits[slot])]
+
     def idle(self, slots: Sequence[int]) -> list[int]:
         """The slots of `slots` no copy is using, in order (long batches in numpy)."""
         if len(slots) >= BULK:

@@ -314,24 +314,12 @@ class TieredPool(Movement, TierRoom):
             dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
-            # Fresh pages no tier holds (the common commit) skip both loops.
-            found = dev.table.get_many(ids)
-            fresh_ids, fresh_slots = (ids, slots) if max(found, default=-1) < 0 else (
-                [k for k, d in zip(ids, found) if d < 0], [s for s, d in zip(slots, found) if d < 0])
-            found = host.table.get_many(fresh_ids)
-            clean, dirty, absent_slots, absent_ids = [], fresh_slots, fresh_slots, fresh_ids
-            if max(found, default=-1) >= 0:
-                hstate = host.state
-                dirty, absent_slots, absent_ids = [], [], []
-                for kid, slot, h in zip(fresh_ids, fresh_slots, found):
-                    if h < 0:
-                        dirty.append(slot)
-                        absent_slots.append(slot)
-                        absent_ids.append(kid)
-                    elif _READABLE[hstate[h]]:
-                        clean.append(slot)
-                    else:  # the host tier is still fetching it: dirty until that lands
-                        dirty.append(slot)
+            fresh_ids, fresh_slots, _, _ = dev.partition(ids, slots)
+            absent_ids, absent_slots, held, at = host.partition(fresh_ids, fresh_slots)
+            # A page the host tier holds is clean, unless it is still being fetched there.
+            clean = [slot for slot, h in zip(held, at) if _READABLE[host.state[h]]]
+            kept = set(clean)
+            dirty = [slot for slot in fresh_slots if slot not in kept] if kept else fresh_slots
             self.counters.duplicate_commits += len(ids) - len(fresh_ids)
             dev.bind_all(fresh_slots, fresh_ids)
             dev.set_states(clean, S.RESIDENT)
@@ -537,9 +525,9 @@ class TieredPool(Movement, TierRoom):
 
         Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up
         to _CHUNK_BYTES), each chunk's copy submitted before the next chunk's bookkeeping, so a
-        large load's bytes start moving after one small chunk of Python rather than after all of it. A chunk that
-        finds a key it cannot load now cancels the chunks before it: their pages lose their keys
-        at once and their slots are freed when their copies land.
+        large load's bytes start moving after one small chunk of Python rather than after all of
+        it. A chunk that finds a key it cannot load now cancels the chunks before it: their pages
+        lose their keys at once and their slots are freed when their copies land.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
@@ -847,7 +835,7 @@ class TieredPool(Movement, TierRoom):
         are copied too, but not waited for or counted: under steady commits a flush would
         otherwise never see nothing left, and would report new pages as failures). Returns
         (pages still not durable, pages dropped meanwhile, already counted by their reason)."""
-        keep = self.write_policy.copy_on_evict
+        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
         dropped = self.counters.dropped
         dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
         last = None
@@ -860,10 +848,8 @@ class TieredPool(Movement, TierRoom):
                     owed = set().union(*self._not_durable_ids())
                 # Host pages first: their backups probe a remote tier the breaker holds off.
                 if self._link is not None:
-                    host = self._host
-                    for s in host.dirty:
-                        if keep(host.hits[s]) and not host.busy[s]:
-                            self._backup_queue.append(s)
+                    for s in self._host.idle(self._host.dirty_kept(keep)):
+                        self._backup_queue.append(s)
                     if len(self._backup_queue):
                         self._breaker.force_probe()
                         self._backup_work.notify()
@@ -872,10 +858,7 @@ class TieredPool(Movement, TierRoom):
                 # would copy a page again after flush returned, once something made it dirty.
                 self._pending_down.clear()
                 dev = self._dev
-                dev_dirty = dev.dirty.first(len(dev.dirty))
-                if not self.write_policy.keeps_every_page:
-                    dev_dirty = [s for s in dev_dirty if keep(dev.hits[s])]
-                dev_dirty = dev.idle(dev_dirty)
+                dev_dirty = dev.idle(dev.dirty_kept(keep))
                 # A copy down needs host room, which an unhealthy remote tier makes by dropping
                 # dirty host pages: the first round lets the probe answer before copying down.
                 waiting_for_probe = (probe_first and dev_dirty and self._link is not None
@@ -907,15 +890,12 @@ class TieredPool(Movement, TierRoom):
         being copied down: (on the device, in the host tier). O(dirty pages); slots being
         copied are found with one vectorized scan of the tier's states, only while copies are
         in flight."""
-        keep = self.write_policy.copy_on_evict
+        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
         found = []
         for index in (self._dev, self._host):
             out: set[bytes] = set()
             if index is self._dev or self._link is not None:
-                hits = index.hits
-                dirty = index.dirty.members()
-                out.update(index.ids_of(dirty if self.write_policy.keeps_every_page else
-                                        [s for s in dirty if keep(hits[s])]))
+                out.update(index.ids_of(index.dirty_kept(keep, ordered=False)))
                 if index.counts[S.OFFLOADING]:
                     out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
             found.append(out)
