@@ -102,7 +102,8 @@ def snapshot(pool: TieredPool, slots: list[int]) -> list[torch.Tensor]:
     for layer in range(pool.fmt.num_layers):
         for tensor in (*pool.device_kv(layer), *pool.device_scales(layer)):
             if tensor is not None:
-                out.append(tensor.view(torch.uint8)[index].cpu())  # bytes first: fp8 has few gather kernels
+                # Bytes first (fp8 has few gather kernels); a trailing axis keeps 1-D scales per slot.
+                out.append(tensor.unsqueeze(-1).view(torch.uint8)[index].cpu())
     return out
 
 
