@@ -14,7 +14,7 @@ Small calls are timed twice: each right after device work and a synchronize (as 
 calls the pool between steps: the columns "load ret" and "commit"; the CPU caches are cold), and
 back to back, several calls in a row ("b2b": the calls' own cost).
 
-    python benchmarks/pool_latency.py [--device cuda] [--repeats 30] [--json out.json]
+    python benchmarks/pool_latency.py [--device cuda] [--repeats 30] [--pages 1,4,16,large] [--json out.json]
 
 On a machine without CUDA it runs the CPU twin (device="cpu") and says so: the numbers then
 measure the torch engine's synchronous copies, not the control plane of a GPU run.
@@ -111,11 +111,13 @@ def _back_to_back(pool: TieredPool, fresh, n: int, sync, calls: int = 8, rounds:
     return statistics.median(commits), statistics.median(loads)
 
 
-def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: float, large_bytes: int) -> list[dict]:
+def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: float, large_bytes: int,
+            points: tuple[str, ...] = ("1", "4", "16", "large")) -> list[dict]:
     fmt = PageFormat(**spec)
     large = max(17, large_bytes // fmt.page_bytes)
+    counts = [large if p == "large" else int(p) for p in points]
     rows = []
-    pages = 2 * max(16, large) + 8
+    pages = 2 * max(16, *counts) + 8
     pool = TieredPool(fmt, device=device, device_pages=pages, host_pages=pages, write_policy="write_through",
                       registry=CollectorRegistry())
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -126,7 +128,7 @@ def measure(name: str, spec: dict, device: torch.device, repeats: int, pcie: flo
         return prefix_keys(np.arange(counter[0] * 10**6, counter[0] * 10**6 + n * fmt.page_size), fmt.page_size,
                            pool.namespace)
 
-    for n in (1, 4, 16, large):
+    for n in counts:
         commit_us, load_us, done_us = [], [], []
         for r in range(repeats if n <= 16 else max(3, repeats // 6)):
             keys = fresh(n)
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="timed calls per point (median)")
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated formats of: " + ", ".join(FORMATS))
     ap.add_argument("--large-mib", type=int, default=256, help="MiB moved by the large-load point (default 256)")
+    ap.add_argument("--pages", default="1,4,16,large",
+                    help="comma-separated page counts per call; 'large' is the --large-mib point (default 1,4,16,large)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pool call latency, {meta}")
     rows = []
     for name in args.formats.split(","):
-        rows += measure(name, FORMATS[name], device, args.repeats, pcie, args.large_mib << 20)
+        rows += measure(name, FORMATS[name], device, args.repeats, pcie, args.large_mib << 20, tuple(args.pages.split(",")))
     print(f"{'format':<20}{'pages':>6}{'PCIe µs':>10}{'load ret µs':>13}{'load done µs':>14}{'commit µs':>11}"
           f"{'GB/s':>8}{'x PCIe':>8}{'b2b load':>10}{'b2b commit':>12}  path")
     for r in rows:

@@ -137,6 +137,91 @@ def _walk_back(lst: SlotList) -> list[int]:
     return out[::-1]
 
 
+@pytest.mark.parametrize("fill", [0.0, 0.5, 0.9])
+def test_bind_many_in_numpy_keys_what_bind_keys(numpy_always, fill):
+    """Ids bound in one numpy batch are found where one-at-a-time binds would put them, stay
+    found while others leave (backward shifts over the batch's probe runs), and read back."""
+    rng = random.Random(int(fill * 10) + 1)
+    capacity = 700
+    one, batch = KeyTable(capacity), KeyTable(capacity)
+    ids = [os.urandom(16) for _ in range(capacity)]
+    first = rng.sample(range(capacity), int(capacity * fill))
+    for slot in first:
+        one.bind(ids[slot], slot)
+        batch.bind(ids[slot], slot)
+    rest = [s for s in range(capacity) if s not in set(first)]
+    rng.shuffle(rest)
+    for slot in rest:
+        one.bind(ids[slot], slot)
+    batch.bind_many([ids[s] for s in rest], rest)
+    assert len(batch) == len(one) == capacity
+    assert batch.get_many(ids) == one.get_many(ids) == list(range(capacity))
+    assert batch.ids_of(list(range(capacity))) == ids
+    for slot in rng.sample(range(capacity), capacity // 2):
+        batch.unbind(slot)
+        one.unbind(slot)
+        asked = rng.sample(ids, 50)
+        assert batch.get_many(asked) == one.get_many(asked)
+    with pytest.raises(ValueError, match="holds no key"):
+        batch.ids_of([s for s in range(capacity) if not batch.holds_key(s)][:1] * 600)
+
+
+def test_bind_many_refuses_a_bad_batch_before_changing_anything(numpy_always):
+    table = KeyTable(64)
+    ids = [os.urandom(16) for _ in range(64)]
+    table.bind_many(ids[:10], list(range(10)))
+    before = (bytes(table._buckets), bytes(table._ids), len(table))
+    for kids, slots, message in (
+        (ids[10:20], list(range(5, 15)), "slot 5 already holds"),  # a slot that holds a key
+        (ids[5:15], list(range(20, 30)), "is already in slot 5"),  # an id already mapped
+        (ids[20:25] + ids[20:21], list(range(30, 36)), "is already in slot"),  # an id twice
+    ):
+        with pytest.raises(ValueError, match=message):
+            table.bind_many(kids, slots)
+        if message != "is already in slot":  # one at a time, the pairs before the bad one stay
+            assert (bytes(table._buckets), bytes(table._ids), len(table)) == before
+
+
+def test_first_of_each_is_what_np_unique_gives():
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 50, 3000):
+        values = rng.integers(0, max(2, n // 3), n)
+        got, first = slot_list.first_of_each(values)
+        want, want_first = np.unique(values, return_index=True)
+        assert got.tolist() == want.tolist() and first.tolist() == want_first.tolist()
+
+
+def test_members_are_the_listed_slots_dense_or_sparse():
+    rng = random.Random(9)
+    for listed in (0, 3, 500, 2000, 4000):
+        lst = SlotList(4096)
+        lst.extend(rng.sample(range(4096), listed))
+        assert sorted(lst.members()) == sorted(lst)
+
+
+def test_index_batch_checks_agree_with_the_loops(monkeypatch):
+    """first_unfresh, idle and ids_of give the same answers below and above BULK."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    for compact in (False, True):
+        index = TierIndex("device", 3000, make_policy("lru", 3000), compact_keys=compact)
+        slots = index.take_free(2500, PageState.FILLING)
+        index.pin_all(slots)
+        kids = [os.urandom(16) for _ in slots]
+        answers = []
+        for bulk in (10**9, 1):
+            monkeypatch.setattr(tier_index, "BULK", bulk)
+            answers.append((index.first_unfresh(slots), index.idle(slots)))
+        assert answers[0] == answers[1] == (-1, slots)
+        index.bind_all(slots[1000:], kids[1000:])
+        index.hold_all(slots[:7])
+        for bulk in (10**9, 1):
+            monkeypatch.setattr(tier_index, "BULK", bulk)
+            answers.append((index.first_unfresh(slots[500:]), index.first_unfresh(slots[3:]), index.idle(slots)))
+        assert answers[2] == answers[3] == (slots[1000], slots[3], slots[7:])
+        assert index.ids_of(slots[1000:]) == kids[1000:]
+
+
 def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch):
     rng = random.Random(5)
     for trial in range(150):
@@ -162,6 +247,26 @@ def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch)
             assert _walk_back(batch) == list(one)
             assert len(batch) == len(one)
             assert all((s in batch) == (s in one) for s in range(capacity))
+
+
+def test_discard_many_of_one_stretch_or_all_keeps_the_order(monkeypatch):
+    """The two short cuts of discard_many (one run of the order leaves; every slot leaves)."""
+    rng = random.Random(6)
+    monkeypatch.setattr(slot_list, "BULK", 1)
+    for trial in range(60):
+        order = rng.sample(range(300), rng.randint(1, 300))
+        one, batch = SlotList(300), SlotList(300)
+        one.extend(order)
+        batch.extend(order)
+        i = rng.randrange(len(order))
+        j = rng.randint(i + 1, len(order)) if trial % 5 else len(order)
+        gone = order[i:j] if trial % 5 else order
+        gone = gone + rng.sample(range(300), 3) if trial % 3 == 0 else gone  # unlisted slots too
+        rng.shuffle(gone)
+        for slot in gone:
+            one.discard(slot)
+        batch.discard_many(gone)
+        assert list(batch) == list(one) and _walk_back(batch) == list(one) and len(batch) == len(one), trial
 
 
 # --- the pool on the numpy paths -----------------------------------------------------------------

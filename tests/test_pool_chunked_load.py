@@ -77,6 +77,24 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     pool.close()
 
 
+def test_chunks_stop_growing_at_the_chunk_bytes(registry, gen, monkeypatch):
+    """Past _CHUNK_BYTES a chunk grows no more, so the last chunk is never most of the load."""
+    pool = _pool(registry, CountingEngine)
+    monkeypatch.setattr(pool_module, "_CHUNK_BYTES", 50 * pool.fmt.page_bytes)
+    monkeypatch.setattr(pool_module, "MANY", 40)  # the floor of the cap: a chunk never gets fewer
+    keys = prefix_keys(np.arange(170), 1, pool.namespace)
+    expected = _write(pool, keys, gen)
+    pool.evict(tier="device")
+    pool.engine.reloads.clear()
+    handle = pool.load(keys)
+    assert pool.engine.reloads == [32, 50, 50, 38]
+    handle.synchronize()
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
+    pool.release(handle.slots)
+    _check_indexes(pool)
+    pool.close()
+
+
 @pytest.mark.parametrize("engine", [TorchEngine, DeferredEngine])
 def test_a_key_missing_in_a_later_chunk_leaves_the_device_as_it_was(registry, gen, engine):
     """Chunks before the missing key were already copying: their pages lose their keys at once

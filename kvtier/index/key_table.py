@@ -14,12 +14,15 @@ A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry)
 
 from __future__ import annotations
 
+import itertools
+import operator
 from array import array
 from collections.abc import Iterator
 
 import numpy as np
 
 from kvtier.index.keys import KEY_ID_BYTES
+from kvtier.index.slot_list import first_of_each
 
 _EMPTY = -1
 _W = KEY_ID_BYTES
@@ -43,9 +46,11 @@ class KeyTable:
         self._bucket_of = array("i", [_EMPTY]) * capacity  # -1: the slot holds no key
         self._home = array("i", [0]) * capacity
         self._len = 0
-        # numpy views of the same memory (no copy) for `get_many`.
+        # numpy views of the same memory (no copy) for the batch paths.
         self._np_buckets = np.frombuffer(self._buckets, dtype=np.int32)
         self._np_ids = np.frombuffer(self._ids, dtype=np.uint64).reshape(capacity, 2)
+        self._np_bucket_of = np.frombuffer(self._bucket_of, dtype=np.int32)
+        self._np_home = np.frombuffer(self._home, dtype=np.int32)
 
     def __len__(self) -> int:
         return self._len
@@ -124,10 +129,53 @@ class KeyTable:
         self._len += 1
 
     def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
-        """`bind` of each id to its slot."""
-        bind = self.bind
-        for kid, slot in zip(kids, slots):
-            bind(kid, slot)
+        """`bind` of each id to its slot. From MANY ids, in numpy when the slots hold no key and
+        are distinct and the ids are distinct and unmapped (checked before anything changes):
+        every id still probing takes one step at a time, an empty bucket goes to the first id
+        that reaches it, and the others probe on, so every id sits past only taken buckets, as
+        `bind` would leave it. Otherwise one at a time (which raises on the first bad pair)."""
+        n = len(kids)
+        if n < MANY or not self._bind_many_numpy(kids, slots):
+            bind = self.bind
+            for kid, slot in zip(kids, slots):
+                bind(kid, slot)
+
+    def _bind_many_numpy(self, kids: list[bytes], slots) -> bool:
+        n = len(kids)
+        at = np.asarray(slots, dtype=np.int64)
+        if at.shape != (n,) or (self._np_bucket_of[at] != _EMPTY).any():
+            return False
+        if first_of_each(at)[0].size != n or len(set(kids)) != n or max(self.get_many(kids)) >= 0:
+            return False
+        mask = self._mask
+        buckets = self._np_buckets
+        home = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
+        self._np_ids[at] = np.frombuffer(b"".join(kids), dtype=np.uint64).reshape(n, 2)
+        self._np_home[at] = home
+        pending, bucket = np.arange(n), home
+        while pending.size:
+            empty = buckets[bucket] == _EMPTY
+            taken, first = first_of_each(bucket[empty])
+            winners = pending[empty][first]
+            buckets[taken] = at[winners]
+            self._np_bucket_of[at[winners]] = taken
+            placed = np.zeros(pending.size, dtype=bool)
+            placed[np.flatnonzero(empty)[first]] = True
+            pending, bucket = pending[~placed], (bucket[~placed] + 1) & mask
+        self._len += n
+        return True
+
+    def ids_of(self, slots) -> list[bytes]:
+        """`id_of` of each slot, in order (numpy from MANY slots)."""
+        if len(slots) < MANY:
+            id_of = self.id_of
+            return [id_of(slot) for slot in slots]
+        at = np.asarray(slots, dtype=np.int64)
+        if (self._np_bucket_of[at] == _EMPTY).any():
+            empty = int(at[self._np_bucket_of[at] == _EMPTY][0])
+            raise ValueError(f"slot {empty} holds no key")
+        # One 16-byte void element per id reads back as a bytes object, no slicing loop.
+        return self._np_ids[at].view(f"V{_W}").ravel().tolist()
 
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""
@@ -164,6 +212,10 @@ class KeyTable:
     def holds_key(self, slot: int) -> bool:
         return self._bucket_of[slot] != _EMPTY
 
+    def keyed(self, slots: np.ndarray) -> np.ndarray:
+        """`holds_key` of each slot of an int64 array, as a bool array."""
+        return self._np_bucket_of[slots] != _EMPTY
+
     @property
     def nbytes(self) -> int:
         return (
@@ -195,12 +247,12 @@ class DictKeyTable:
         self.get = self._map.__getitem__  # kid -> slot or -1
 
     def get_many(self, kids: list[bytes]) -> list[int]:
-        """`get` of each id, in order."""
-        return list(map(self._map.__getitem__, kids))
+        """`get` of each id, in order (a miss stays in C: dict.get with a default)."""
+        return list(map(self._map.get, kids, itertools.repeat(-1)))
 
     def get_each(self, kids: list[bytes]) -> Iterator[int]:
         """`get` of each id, in order, as they are read."""
-        return map(self._map.__getitem__, kids)
+        return map(self._map.get, kids, itertools.repeat(-1))
 
     def __len__(self) -> int:
         return len(self._map)
@@ -224,8 +276,8 @@ class DictKeyTable:
         if any(map(ids.__getitem__, slots)):
             taken = next(slot for slot in slots if ids[slot] is not None)
             raise ValueError(f"slot {taken} already holds key id {ids[taken].hex()}")
-        mapped = self._map.keys() & kids
-        if mapped or len(set(kids)) != len(kids):
+        if not self._map.keys().isdisjoint(kids) or len(set(kids)) != len(kids):
+            mapped = self._map.keys() & kids
             kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
             raise ValueError(f"key id {kid.hex()} is already in slot {self._map.get(kid, slots[kids.index(kid)])}")
         self._map.update(zip(kids, slots))
@@ -245,5 +297,17 @@ class DictKeyTable:
             raise ValueError(f"slot {slot} holds no key")
         return kid
 
+    def ids_of(self, slots) -> list[bytes]:
+        """`id_of` of each slot, in order."""
+        out = list(map(self._ids.__getitem__, slots))
+        if None in out:
+            raise ValueError(f"slot {slots[out.index(None)]} holds no key")
+        return out
+
     def holds_key(self, slot: int) -> bool:
         return self._ids[slot] is not None
+
+    def keyed(self, slots: np.ndarray) -> np.ndarray:
+        """`holds_key` of each slot of an int64 array, as a bool array."""
+        return np.fromiter(map(operator.is_not, map(self._ids.__getitem__, slots.tolist()), itertools.repeat(None)),
+                           dtype=bool, count=slots.size)

@@ -69,6 +69,7 @@ def key_id(key: str | bytes) -> bytes:
 ID_CACHE_GENERATION = 1 << 15
 _young: dict = {}
 _old: dict = {}
+_PLAIN = {bytes, str}
 
 
 def clear_id_cache() -> None:
@@ -85,6 +86,16 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
     global _young, _old
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
+    if type(keys) is not list and type(keys) is not tuple:
+        keys = list(keys)
+    # Every key of a batch seen just now (a load after its match, a step after the last): in C.
+    if len(keys) >= 8:
+        try:
+            out = list(map(_young.get, keys))
+        except TypeError:  # an unhashable key: the loop below names it
+            out = [None]
+        if None not in out and set(map(type, keys)) <= _PLAIN:
+            return out
     out = []
     append = out.append
     str_id, bytes_id = _STR_ID, _BYTES_ID

@@ -15,10 +15,33 @@ import numpy as np
 
 _NIL = -1
 # Batches at least this long are linked and unlinked with numpy (`extend`, `discard_many`), and
-# TierIndex changes their states, holds and pins with numpy. Measured on a 2-core VM (holds,
-# state changes, touches of a tier's slots): at 256 slots numpy is no faster than the loops, and
-# slower for touches at 1e6 slots of capacity; from 1,024 it is up to 1.4x faster.
-BULK = 1024
+# TierIndex changes their states, holds and pins with numpy. Measured on a 2-core VM (land, hold,
+# let go and dirty a batch of host slots, 8,192 or 1e6 of capacity): numpy is 1.5x faster than
+# the loops at 128 slots and 3x at 256 once no batch path calls np.unique (numpy 2 hashes there,
+# ten times slower than a sort); 1,024 was the threshold while they did.
+BULK = 256
+# `members` scans the flags of the whole capacity (about 0.5 ns a slot) rather than walk the
+# links (about 100 ns a listed slot) once at least one slot in DENSE is listed.
+DENSE = 64
+
+
+def first_of_each(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each distinct value, sorted; the position of its first occurrence in `values`): what
+    np.unique(values, return_index=True) gives, by a stable sort (numpy 2's np.unique hashes,
+    about ten times slower for a few thousand ints)."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    first = np.empty(ordered.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first], order[first]
+
+
+def _within(ordered: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Whether each of `values` is in `ordered` (sorted, distinct)."""
+    at = np.searchsorted(ordered, values)
+    at[at == ordered.size] = 0
+    return ordered[at] == values
 
 
 class SlotList:
@@ -98,19 +121,31 @@ class SlotList:
 
         In numpy: each leaving slot finds the nearest staying neighbours on both sides by
         pointer jumping over the leaving slots (log2 of the longest run of them), and those
-        neighbours are linked to each other."""
+        neighbours are linked to each other; leaving slots that form one run of the order (a
+        load of pages committed together) skip the jumping: the run's two ends give them."""
         if len(slots) < BULK:
             discard = self.discard
             for slot in slots:
                 discard(slot)
             return
-        gone = np.unique(np.asarray(slots, dtype=np.int64))
+        gone = first_of_each(np.asarray(slots, dtype=np.int64))[0]
         gone = gone[self._np_member[gone] != 0]
         if not gone.size:
             return
         nxt, prv = self._np_next, self._np_prev
-        before = self._nearest_staying(gone, prv)
-        after = self._nearest_staying(gone, nxt)
+        if gone.size == self._len:  # every listed slot leaves (a whole tier's batch): empty the list
+            nxt[self._head] = prv[self._head] = self._head
+            self._np_member[gone] = 0
+            self._len = 0
+            return
+        before, after = prv[gone].astype(np.int64), nxt[gone].astype(np.int64)
+        starts = np.flatnonzero(~_within(gone, before))
+        if starts.size == 1:  # one run of leaving slots (a stretch of the order): link its two ends
+            ends = np.flatnonzero(~_within(gone, after))
+            before, after = before[starts], after[ends]
+        else:
+            before = self._nearest_staying(gone, prv)
+            after = self._nearest_staying(gone, nxt)
         nxt[before] = after  # every slot of a run of leaving slots writes the same pair
         prv[after] = before
         self._np_member[gone] = 0
@@ -145,6 +180,14 @@ class SlotList:
             out.append(slot)
             slot = nxt[slot]
         return out
+
+    def members(self) -> list[int]:
+        """Every listed slot, in no particular order: a vectorized scan of the membership flags
+        when at least BULK slots, and one slot in DENSE of the capacity, are listed (then no
+        slower than the walk), else the walk from the front."""
+        if self._len >= BULK and self._len * DENSE >= self.capacity:
+            return np.flatnonzero(self._np_member).tolist()
+        return self.first(self._len)
 
     def __iter__(self) -> Iterator[int]:
         """Walk from the front. The list must not change while the walk is under way."""

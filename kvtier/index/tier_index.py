@@ -25,7 +25,7 @@ from kvtier.index.slot_list import BULK, SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
 S = PageState
-_FREE, _DIRTY = int(S.FREE), int(S.DIRTY)
+_FREE, _DIRTY, _FILLING = int(S.FREE), int(S.DIRTY), int(S.FILLING)
 _LEGAL_TO = {new: [row[new] for row in LEGAL] for new in PageState}
 _EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
 _READABLE = [s in READABLE for s in PageState]
@@ -95,6 +95,52 @@ class TierIndex:
 
     def id_of(self, slot: int) -> bytes:
         return self.table.id_of(slot)
+
+    def ids_of(self, slots: Sequence[int]) -> list[bytes]:
+        """The key id of each slot, in order (every one must hold a key)."""
+        return self.table.ids_of(slots)
+
+    def partition(self, kids: list[bytes], slots: list[int]) -> tuple[list[bytes], list[int], list[int], list[int]]:
+        """Pairs (id, slot elsewhere) split by whether this tier holds the id: (ids it does not
+        hold, their slots, slots of the ids it holds, where it holds them), each in order; no
+        loop when it holds none (a commit of fresh pages)."""
+        found = self.table.get_many(kids)
+        if max(found, default=-1) < 0:
+            return kids, slots, [], []
+        absent = [i for i, at in enumerate(found) if at < 0]
+        held = [i for i, at in enumerate(found) if at >= 0]
+        return [kids[i] for i in absent], [slots[i] for i in absent], [slots[i] for i in held], [found[i] for i in held]
+
+    def dirty_kept(self, keep=None, ordered: bool = True) -> list[int]:
+        """DIRTY slots whose hit counts `keep` accepts (None: every one), oldest first, or in no
+        particular order (faster for many) when not `ordered`."""
+        dirty = self.dirty.first(len(self.dirty)) if ordered else self.dirty.members()
+        if keep is None:
+            return dirty
+        hits = self.hits
+        return [slot for slot in dirty if keep(hits[slot])]
+
+    def idle(self, slots: Sequence[int]) -> list[int]:
+        """The slots of `slots` no copy is using, in order (long batches in numpy)."""
+        if len(slots) >= BULK:
+            at = np.asarray(slots, dtype=np.int64)
+            return at[self._np_busy[at] == 0].tolist()
+        busy = self.busy
+        return [slot for slot in slots if not busy[slot]]
+
+    def first_unfresh(self, slots: Sequence[int]) -> int:
+        """The first of `slots` that is not an allocated, uncommitted slot an engine holds
+        (FILLING, unkeyed, pinned, no copy in flight), or -1. Long batches in numpy."""
+        if len(slots) >= BULK:
+            at = np.asarray(slots, dtype=np.int64)
+            bad = ((self._np_state[at] != _FILLING) | (self._np_pins[at] == 0) | (self._np_busy[at] != 0)
+                   | self.table.keyed(at))
+            return int(at[bad.argmax()]) if bad.any() else -1
+        state, pins, busy, holds_key = self.state, self.pins, self.busy, self.table.holds_key
+        for slot in slots:
+            if state[slot] != _FILLING or not pins[slot] or busy[slot] or holds_key(slot):
+                return slot
+        return -1
 
     def slots_in(self, state: PageState) -> list[int]:
         """Every slot in `state` (one vectorized scan of the states: O(capacity) in C)."""
@@ -321,8 +367,11 @@ class TierIndex:
             if busy_delta:
                 self.busy_slots += count
 
-    def bind_all(self, slots: Iterable[int], kids: Iterable[bytes]) -> None:
+    def bind_all(self, slots: Sequence[int], kids: Sequence[bytes]) -> None:
         """Key each slot (FILLING or LOADING, unkeyed) with its id."""
+        if len(slots) >= BULK:
+            self.table.bind_many(kids, slots)
+            return
         bind = self.table.bind
         for slot, kid in zip(slots, kids):
             bind(kid, slot)

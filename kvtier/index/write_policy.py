@@ -30,6 +30,11 @@ class WritePolicy:
     def copy_on_hit(self, hits: int) -> bool:
         return self.name == "write_through_selective" and hits >= SELECTIVE_HITS
 
+    @property
+    def keeps_every_page(self) -> bool:
+        """copy_on_evict is True whatever the hits (every policy but write_through_selective)."""
+        return self.name != "write_through_selective"
+
     def copy_on_evict(self, hits: int) -> bool:
         """A dirty page being evicted: copy it down (True) or drop it (False)."""
         return self.name != "write_through_selective" or hits >= SELECTIVE_HITS

@@ -32,6 +32,13 @@ def check_slots(slots: Iterable[object], capacity: int) -> list[int]:
     """
     if isinstance(slots, (str, bytes)):
         raise TypeError(f"slots must be a sequence of ints, got {type(slots).__name__} {slots!r}")
+    if type(slots) is list and len(slots) >= 64 and set(map(type, slots)) == {int}:  # a long batch, in C
+        if min(slots) < 0 or max(slots) >= capacity:
+            bad = min(slots) if min(slots) < 0 else max(slots)
+            raise ValueError(f"device slot {bad} out of range [0, {capacity})")
+        if len(set(slots)) != len(slots):
+            raise ValueError("slots must not repeat within one call")
+        return list(slots)
     out = []
     for slot in slots:
         if type(slot) is int and 0 <= slot < capacity:  # the common case, checked fast

@@ -35,17 +35,22 @@ class Movement:
         slots that are clean now or whose copy started. Never waits.
         """
         dev, host = self._dev, self._host
-        clean, moving = [], []
-        for slot in dev_slots:
-            h = host.lookup(dev.id_of(slot))
+        hstate, readable = host.state, _READABLE
+        ids = dev.ids_of(dev_slots)
+        found = host.table.get_many(ids)
+        if max(found, default=-1) < 0:  # none in the host tier (the common case): no loop
+            return self._start_copy_down(list(dev_slots), ids, evicting)
+        clean, moving, moving_ids = [], [], []
+        for slot, kid, h in zip(dev_slots, ids, found):
             if h < 0:
                 moving.append(slot)
-            elif _READABLE[host.state[h]]:
+                moving_ids.append(kid)
+            elif readable[hstate[h]]:
                 clean.append(slot)
         dev.set_states(clean, S.RESIDENT)
         if not moving:
             return clean
-        return clean + self._start_copy_down(moving, [dev.id_of(slot) for slot in moving], evicting)
+        return clean + self._start_copy_down(moving, moving_ids, evicting)
 
     def _offload_loop(self) -> None:
         """The offload thread: starts the write-through copies that commits queued."""

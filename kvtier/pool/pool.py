@@ -76,6 +76,10 @@ _LOAD_PATIENCE_S = 30.0
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
+# ... up to this many bytes a chunk (or MANY pages): a chunk's copy then outlasts the
+# next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
+# load's copies run back to back instead of waiting for one last chunk of most of the batch.
+_CHUNK_BYTES = 64 << 20
 
 
 def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
@@ -309,21 +313,12 @@ class TieredPool(Movement, TierRoom):
             dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
-            hstate = host.state
-            fresh_ids, fresh_slots, clean, dirty, absent_slots, absent_ids = [], [], [], [], [], []
-            for kid, slot, d in zip(ids, slots, dev.table.get_many(ids)):
-                if d < 0:
-                    fresh_ids.append(kid)
-                    fresh_slots.append(slot)
-            for kid, slot, h in zip(fresh_ids, fresh_slots, host.table.get_many(fresh_ids)):
-                if h < 0:
-                    dirty.append(slot)
-                    absent_slots.append(slot)
-                    absent_ids.append(kid)
-                elif _READABLE[hstate[h]]:
-                    clean.append(slot)
-                else:  # the host tier is still fetching it: dirty until that lands
-                    dirty.append(slot)
+            fresh_ids, fresh_slots, _, _ = dev.partition(ids, slots)
+            absent_ids, absent_slots, held, at = host.partition(fresh_ids, fresh_slots)
+            # A page the host tier holds is clean, unless it is still being fetched there.
+            clean = [slot for slot, h in zip(held, at) if _READABLE[host.state[h]]]
+            kept = set(clean)
+            dirty = [slot for slot in fresh_slots if slot not in kept] if kept else fresh_slots
             self.counters.duplicate_commits += len(ids) - len(fresh_ids)
             dev.bind_all(fresh_slots, fresh_ids)
             dev.set_states(clean, S.RESIDENT)
@@ -527,11 +522,11 @@ class TieredPool(Movement, TierRoom):
         Device pages are held where they are; host pages land in new slots keyed at once
         (FREE -> LOADING).
 
-        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time),
-        each chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes
-        start moving after one small chunk of Python rather than after all of it. A chunk that
-        finds a key it cannot load now cancels the chunks before it: their pages lose their keys
-        at once and their slots are freed when their copies land.
+        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up
+        to _CHUNK_BYTES), each chunk's copy submitted before the next chunk's bookkeeping, so a
+        large load's bytes start moving after one small chunk of Python rather than after all of
+        it. A chunk that finds a key it cannot load now cancels the chunks before it: their pages
+        lose their keys at once and their slots are freed when their copies land.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
@@ -542,9 +537,10 @@ class TieredPool(Movement, TierRoom):
         started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
         ready = None
         pos, chunk = 0, _FIRST_CHUNK
+        largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         while pos < len(ids):
             end = min(pos + chunk, len(ids))
-            chunk *= _CHUNK_GROWTH
+            chunk = min(chunk * _CHUNK_GROWTH, largest)
             srcs = []
             dslots = dget_many(ids[pos:end])
             if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
@@ -801,7 +797,8 @@ class TieredPool(Movement, TierRoom):
                 victims = victims[:n] if n is not None else victims
             else:
                 victims = index.victims(index.capacity if n is None else n)
-            chosen = [(slot, index.id_of(slot)) for slot in victims]
+            ids_chosen = index.ids_of(victims)
+            chosen = list(zip(victims, ids_chosen))
             if tier == "device":
                 self._evict_device(victims)
             else:
@@ -821,7 +818,7 @@ class TieredPool(Movement, TierRoom):
                         slot in self._backup_queue or host.state[slot] == S.OFFLOADING)]
                 wait = self._progress_waiter(tier) if waiting else None
                 if wait is None:
-                    return sum(1 for slot, kid in chosen if index.lookup(kid) != slot)
+                    return sum(1 for slot, now in zip(victims, index.table.get_many(ids_chosen)) if now != slot)
             wait()
 
     def flush(self) -> int:
@@ -837,7 +834,7 @@ class TieredPool(Movement, TierRoom):
         are copied too, but not waited for or counted: under steady commits a flush would
         otherwise never see nothing left, and would report new pages as failures). Returns
         (pages still not durable, pages dropped meanwhile, already counted by their reason)."""
-        keep = self.write_policy.copy_on_evict
+        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
         dropped = self.counters.dropped
         dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
         last = None
@@ -850,10 +847,8 @@ class TieredPool(Movement, TierRoom):
                     owed = set().union(*self._not_durable_ids())
                 # Host pages first: their backups probe a remote tier the breaker holds off.
                 if self._link is not None:
-                    host = self._host
-                    for s in host.dirty:
-                        if keep(host.hits[s]) and not host.busy[s]:
-                            self._backup_queue.append(s)
+                    for s in self._host.idle(self._host.dirty_kept(keep)):
+                        self._backup_queue.append(s)
                     if len(self._backup_queue):
                         self._breaker.force_probe()
                         self._backup_work.notify()
@@ -862,7 +857,7 @@ class TieredPool(Movement, TierRoom):
                 # would copy a page again after flush returned, once something made it dirty.
                 self._pending_down.clear()
                 dev = self._dev
-                dev_dirty = [s for s in dev.dirty if keep(dev.hits[s]) and not dev.busy[s]]
+                dev_dirty = dev.idle(dev.dirty_kept(keep))
                 # A copy down needs host room, which an unhealthy remote tier makes by dropping
                 # dirty host pages: the first round lets the probe answer before copying down.
                 waiting_for_probe = (probe_first and dev_dirty and self._link is not None
@@ -894,15 +889,14 @@ class TieredPool(Movement, TierRoom):
         being copied down: (on the device, in the host tier). O(dirty pages); slots being
         copied are found with one vectorized scan of the tier's states, only while copies are
         in flight."""
-        keep = self.write_policy.copy_on_evict
+        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
         found = []
         for index in (self._dev, self._host):
             out: set[bytes] = set()
             if index is self._dev or self._link is not None:
-                id_of, hits = index.id_of, index.hits
-                out.update(id_of(s) for s in index.dirty if keep(hits[s]))
+                out.update(index.ids_of(index.dirty_kept(keep, ordered=False)))
                 if index.counts[S.OFFLOADING]:
-                    out.update(map(id_of, index.slots_in(S.OFFLOADING)))
+                    out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
             found.append(out)
         return found[0], found[1]
 
@@ -1023,9 +1017,9 @@ class TieredPool(Movement, TierRoom):
     def _check_fresh(self, op: str, slots: list[int]) -> None:
         """Every slot came from allocate, is still held by the engine and holds no page yet."""
         dev = self._dev
-        for slot in slots:
-            if dev.state[slot] != S.FILLING or dev.table.holds_key(slot) or not dev.pins[slot] or dev.busy[slot]:
-                raise ValueError(
-                    f"{op}: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
-                    f"it is {S(dev.state[slot]).name} with {dev.pins[slot]} holds"
-                )
+        slot = dev.first_unfresh(slots)
+        if slot >= 0:
+            raise ValueError(
+                f"{op}: device slot {slot} must be an allocated, uncommitted slot the engine holds; "
+                f"it is {S(dev.state[slot]).name} with {dev.pins[slot]} holds"
+            )
