@@ -221,7 +221,7 @@ def gpu_paths() -> list[str]:
     from kvtier.transfer.cuda import driver
     from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
 
-    kernels = native.cupy_available() and driver.available()
+    kernels = native.kernels_available() and driver.available()
     paths = []
     if kernels:
         paths.append("kernel")

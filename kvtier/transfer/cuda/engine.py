@@ -12,7 +12,7 @@ choice among four ways to move bytes, one module each:
 - "copy_engine" (copy_engine_path.py): cudaMemcpyBatchAsync, no SM used; events per layer.
 - "staged" (staged_path.py, converting reloads; elsewhere it acts as "auto"): copy engines
   into a device staging buffer, then the upcast kernel from HBM; events.
-- "torch" (torch_path.py): staging and plain copies; the fallback without CuPy or
+- "torch" (torch_path.py): staging and plain copies; the fallback without NVRTC or
   cuda-bindings; events.
 
 Why one launch with flags (BENCHMARKS.md, 2026-12-02 H200): the per-layer scheme spent about
@@ -29,7 +29,7 @@ behind the data's own reads.
 "auto" takes the kernel unless the transfer passes bytes through, every piece is at least
 COPY_ENGINE_MIN_PIECE bytes, and the copy engines' host cost (one call and one event per
 layer on reload, about 1.8 us a piece) is below the bytes' PCIe time, so queueing keeps up
-and a small transfer never pays per-layer host costs; torch where CuPy or cuda-bindings is
+and a small transfer never pays per-layer host costs; torch where cuda-bindings or NVRTC is
 missing (or the GPU predates sm_89 for a converting format). A reload with a user
 ReloadTransform runs per layer (the transform is Python between layers): per-layer kernel
 launches and events. `last_path` and `last_launch` say what the latest transfer used.
@@ -137,7 +137,7 @@ class CudaEngine(TransferEngine):
         self.device_copy_stream = torch.cuda.Stream(self.device)
         # The staged reload's DMA into HBM runs here, beside the upcasts on the reload stream.
         self.staging_stream = torch.cuda.Stream(self.device, priority=-1)
-        self.has_cupy = native.cupy_available()
+        self.has_kernels = native.kernels_available()
         self.driver = cuda_driver.Driver(self.device) if cuda_driver.available() else None
         self._runtime = batch_memcpy_runtime()
         self.records = self._host_pointer()
@@ -147,7 +147,7 @@ class CudaEngine(TransferEngine):
         self.copy_engine = CopyEnginePath(fmt, self.table, self.records, self._runtime) if self._runtime else None
         self.kernels = None
         self.offload_lane = self.reload_lane = self.device_lane = None
-        if self.has_cupy and self.driver is not None:
+        if self.has_kernels and self.driver is not None:
             self.kernels = KernelPath(
                 fmt, self.table, self._table_device.data_ptr(), self.records, self._launch, self.max_blocks, self.sm_count
             )
@@ -323,7 +323,7 @@ class CudaEngine(TransferEngine):
         if self.path == "staged" and staged_ok and converts:
             if self.copy_engine is None or not kernel_ok:
                 raise RuntimeError(
-                    "path='staged' needs cudaMemcpyBatchAsync (cuda-bindings >= 12.8), CuPy and an sm_89+ GPU"
+                    "path='staged' needs cudaMemcpyBatchAsync (cuda-bindings >= 12.8), NVRTC and an sm_89+ GPU"
                 )
             return "staged"
         if self.path in ("auto", "staged"):
@@ -333,8 +333,8 @@ class CudaEngine(TransferEngine):
         if self.path == "kernel":
             if self.kernels is None:
                 raise RuntimeError(
-                    "path='kernel' needs CuPy with a visible CUDA device and cuda-bindings "
-                    "(pip install cupy-cuda13x cuda-bindings)"
+                    "path='kernel' needs cuda-bindings with NVRTC's library and a visible CUDA device "
+                    "(pip install cuda-bindings nvidia-cuda-nvrtc)"
                 )
             if converts and not fp8_ok:
                 raise RuntimeError(
@@ -436,12 +436,8 @@ class CudaEngine(TransferEngine):
         self.driver.launch(function, blocks, THREADS, lane.cu_stream, launch.params_ptr, launch.name)
 
     def _compile(self, name: str):
-        import cupy
-
         module = "page_copy" if name.startswith("copy_") else "page_convert"
-        with cupy.cuda.Device(self.device.index):
-            pointer = native.kernel(self.device.index, module, name).kernel.ptr
-        function = self.driver.function(pointer)
+        function = self.driver.function(native.function(self.device.index, module, name))
         self._functions[name] = function
         return function
 
