@@ -450,6 +450,31 @@ def test_wait_layer_then_read_layer(path: str) -> None:
 
 
 # --- paths, launches and refusals ------------------------------------------------------------
+@pytest.mark.skipif(not (HAS_CUPY and HAS_BATCH_MEMCPY), reason="needs both the kernel path and cudaMemcpyBatchAsync")
+def test_auto_splits_directions_while_both_are_in_flight() -> None:
+    """An offload held on the copy engines (behind a GPU sleep) sends the reload that arrives
+    meanwhile to the kernel; both land bit-exact; once the offload landed, reloads return to
+    the copy engines."""
+    tiers = Tiers(PASSTHROUGH[3], seed=802, device_pages=8, host_pages=8)
+    twin = TorchEngine(tiers.cpu_dev, tiers.cpu_host)
+    engine = CudaEngine(tiers.dev, tiers.host)
+    torch.cuda._sleep(50_000_000)  # about 25 ms: the offload below waits behind it
+    offload = engine.offload([0, 1], [4, 5], ready=engine.record_ready())
+    assert engine.last_path == "copy_engine" and not offload.done()
+    reload = engine.reload([6, 7], [2, 3])
+    assert engine.last_path == "kernel"
+    offload.synchronize()
+    reload.synchronize()
+    twin.offload([0, 1], [4, 5]).synchronize()
+    twin.reload([6, 7], [2, 3]).synchronize()
+    _assert_bytes_equal(tiers.host.buffer, tiers.cpu_host.buffer, "host records after the split offload")
+    _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, "device pages after the split reload")
+    engine.reload([4, 5], [6, 7]).synchronize()
+    assert engine.last_path == "copy_engine"
+    engine.close()
+    tiers.close()
+
+
 def test_auto_path_and_launch_shape() -> None:
     small = Tiers(PASSTHROUGH[0], seed=800)
     engine = CudaEngine(small.dev, small.host)
