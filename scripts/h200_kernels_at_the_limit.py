@@ -10,7 +10,9 @@ per pairing of copy mechanisms, and fp8 / bf16 decode attention per kernel varia
 2. Both directions: kvtier.bench.both_directions at 64 / 256 / 1024 KiB records, against the
    both-directions PCIe limit measured in the same run.
 3. Decode attention (graph replay, L2 flushed, against a same-run device-to-device copy):
-   batch 16 / 64 x 1k / 8k / 32k tokens, fp8 + per-token-head scales per variant and bf16.
+   batch 16 / 64 x 1k / 8k / 32k tokens, fp8 + per-token-head scales per variant (fp8_dot
+   "pairs" / "pairs_vmax" / "pairs_lean", block sizes, warps, the split plan's programs per SM)
+   and bf16.
 
 Everything fails soft: a part or variant that raises is reported with its error. Prints a
 table per part and writes $OUT/issue25.json (OUT defaults to /tmp). About 2-3 minutes.
@@ -166,12 +168,13 @@ def decode_variants(quick: bool) -> dict:
     """Kernel variants (keyword arguments of paged_decode_attention, plus the split plan's programs per SM)."""
     fp8 = {
         "pairs 128/4w/2s (default)": dict(fp8_dot="pairs", block_n=128, num_warps=4, num_stages=2),
-        "pairs 128/8w/2s": dict(fp8_dot="pairs", block_n=128, num_warps=8, num_stages=2),
-        "pairs 128/4w/3s": dict(fp8_dot="pairs", block_n=128, num_warps=4, num_stages=3),
-        "pairs 64/4w/3s": dict(fp8_dot="pairs", block_n=64, num_warps=4, num_stages=3),
-        "pairs 256/8w/2s": dict(fp8_dot="pairs", block_n=256, num_warps=8, num_stages=2),
-        "pairs 128/4w/2s, 4 per SM": dict(fp8_dot="pairs", block_n=128, num_warps=4, num_stages=2, programs_per_sm=4),
+        "pairs_vmax 128/4w/2s": dict(fp8_dot="pairs_vmax", block_n=128, num_warps=4, num_stages=2),
+        "pairs_lean 128/4w/2s": dict(fp8_dot="pairs_lean", block_n=128, num_warps=4, num_stages=2),
         "pairs 128/8w/2s, 2 per SM": dict(fp8_dot="pairs", block_n=128, num_warps=8, num_stages=2, programs_per_sm=2),
+        "pairs_lean 128/8w/2s, 2 per SM": dict(fp8_dot="pairs_lean", block_n=128, num_warps=8, num_stages=2,
+                                               programs_per_sm=2),
+        "pairs 64/4w/3s": dict(fp8_dot="pairs", block_n=64, num_warps=4, num_stages=3),
+        "pairs 128/4w/2s, 4 per SM": dict(fp8_dot="pairs", block_n=128, num_warps=4, num_stages=2, programs_per_sm=4),
     }
     if quick:
         fp8 = dict(list(fp8.items())[:3])
