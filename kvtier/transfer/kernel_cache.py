@@ -2,7 +2,7 @@
 
 Owns where the cache lives, how an entry is named, and reading and writing entries safely:
 the name is the sha256 of everything the compiled bytes depend on (the source text, the
-compile options, the GPU architecture, the compiler's version and this format's version), an
+compile options, the GPU architecture, the toolchain's versions and this format's version), an
 entry carries the sha256 of its payload and is read back only when it matches (a torn or
 corrupt file counts as missing and is compiled again), and a writer writes a temporary file
 in the cache directory and renames it over the entry (os.replace), so concurrent processes
@@ -45,10 +45,10 @@ def default_directory() -> Path | None:
     return Path(base) / "kvtier" / "kernels"
 
 
-def entry_key(source: str, options: tuple[str, ...], arch: str, compiler: str) -> str:
-    """The hex name of the entry for `source` compiled with `options` for `arch` by `compiler`."""
+def entry_key(source: str, options: tuple[str, ...], arch: str, toolchain: str) -> str:
+    """The hex name of the entry for `source` compiled with `options` for `arch` by `toolchain`."""
     digest = hashlib.sha256()
-    for part in (f"format {FORMAT_VERSION}", arch, compiler, "\0".join(options), source):
+    for part in (f"format {FORMAT_VERSION}", arch, toolchain, "\0".join(options), source):
         data = part.encode("utf-8")
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)

@@ -36,17 +36,12 @@ _functions: dict[tuple[int, str, str], int] = {}
 _cache: list[kernel_cache.KernelCache] = []
 
 
-def kernels_available() -> bool:
-    """True when cuda.bindings imports, NVRTC's library loads and a CUDA device is visible."""
+def kernels_available(device_index: int = 0) -> bool:
+    """True when cuda.bindings imports, a CUDA device is visible, and native/ is either in the
+    kernel cache for device `device_index` or NVRTC's library loads to compile it."""
     try:
-        from cuda.bindings import driver, nvrtc
+        from cuda.bindings import driver
     except ImportError:
-        return False
-    try:
-        error, _, _ = nvrtc.nvrtcVersion()
-    except Exception:  # noqa: BLE001 - NVRTC's library not found: cuda.pathfinder raises its own errors
-        return False
-    if error != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         return False
     try:
         error, = driver.cuInit(0)
@@ -55,7 +50,39 @@ def kernels_available() -> bool:
         error, count = driver.cuDeviceGetCount()
     except Exception:  # noqa: BLE001 - no libcuda on this machine
         return False
-    return error == driver.CUresult.CUDA_SUCCESS and count > 0
+    if error != driver.CUresult.CUDA_SUCCESS or count <= device_index:
+        return False
+    import torch
+
+    capability = torch.cuda.get_device_capability(device_index)
+    if all(cache().read(entry_key(module, capability)) is not None for module in MODULES):
+        return True
+    return _nvrtc_loads()
+
+
+def _nvrtc_loads() -> bool:
+    try:
+        from cuda.bindings import nvrtc
+
+        error, _, _ = nvrtc.nvrtcVersion()
+    except Exception:  # noqa: BLE001 - not installed, or its library not found (cuda.pathfinder's own errors)
+        return False
+    return error == nvrtc.nvrtcResult.NVRTC_SUCCESS
+
+
+def entry_key(module: str, capability: tuple[int, int]) -> str:
+    """The kernel cache's name for native/<module> on a GPU of `capability`.
+
+    Besides the source and options it names the CUDA version torch was built for and
+    cuda-bindings' version (NVRTC is installed with them), but not NVRTC's own version: reading
+    that means loading NVRTC (0.2 s of a fresh process on a 2-core VM), which a cache hit avoids.
+    A cubin of an older NVRTC for the same GPU stays valid.
+    """
+    import cuda.bindings
+    import torch
+
+    toolchain = f"cuda {torch.version.cuda}; cuda-bindings {cuda.bindings.__version__}"
+    return kernel_cache.entry_key(source(module), COMPILE_OPTIONS, f"sm_{capability[0]}{capability[1]}", toolchain)
 
 
 def cache() -> kernel_cache.KernelCache:
@@ -102,14 +129,6 @@ def _nvrtc_check(nvrtc, result, what: str, program=None):
     raise RuntimeError(f"{what} failed: {error.name}{': ' + log if log else ''}")
 
 
-def compiler_version() -> str:
-    """NVRTC's version, part of every cache key ("nvrtc 13.0")."""
-    from cuda.bindings import nvrtc
-
-    major, minor = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
-    return f"nvrtc {major}.{minor}"
-
-
 def target(capability: tuple[int, int]) -> tuple[str, bool]:
     """(architecture option value, True for a cubin) for a GPU of `capability`: its own sm_XY
     where NVRTC knows it, else PTX of the newest architecture NVRTC knows below it (the driver
@@ -147,6 +166,13 @@ def compile_module(module: str, arch: str, cubin: bool) -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
+def _compile_for(module: str, capability: tuple[int, int]) -> bytes:
+    """A cubin for the GPU, or NUL-terminated PTX where NVRTC does not know it (cuModuleLoadData takes either)."""
+    arch, cubin = target(capability)
+    image = compile_module(module, arch, cubin)
+    return image if cubin else image.rstrip(b"\0 ") + b"\0"
+
+
 def _driver_check(driver, result, what: str):
     if result[0] != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(result[0])
@@ -161,12 +187,7 @@ def _load(device_index: int, module: str):
     from cuda.bindings import driver
 
     capability = torch.cuda.get_device_capability(device_index)
-    arch, cubin = target(capability)
-    text = source(module)
-    key = kernel_cache.entry_key(text, COMPILE_OPTIONS, arch, compiler_version())
-    image = cache().get(key, lambda: compile_module(module, arch, cubin))
-    if not cubin:
-        image = image.rstrip(b"\0 ") + b"\0"
+    image = cache().get(entry_key(module, capability), lambda: _compile_for(module, capability))
     _driver_check(driver, driver.cuInit(0), "cuInit")
     device = _driver_check(driver, driver.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
     # The primary context is the one torch's runtime calls use, so handles loaded here launch on

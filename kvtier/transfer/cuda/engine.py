@@ -131,7 +131,7 @@ class CudaEngine(TransferEngine):
         self.device_copy_stream = torch.cuda.Stream(self.device)
         # The staged reload's DMA into HBM runs here, beside the upcasts on the reload stream.
         self.staging_stream = torch.cuda.Stream(self.device, priority=-1)
-        self.has_kernels = native.kernels_available()
+        self.has_kernels = native.kernels_available(index)
         self.driver = cuda_driver.Driver(self.device) if cuda_driver.available() else None
         self._runtime = batch_memcpy_runtime()
         self.records = self._host_pointer()
