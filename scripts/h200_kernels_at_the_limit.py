@@ -4,8 +4,9 @@ per pairing of copy mechanisms, and fp8 / bf16 decode attention per kernel varia
 1. First pool: a fresh Python process (twice, same empty kernel cache directory: cold, then
    warm) imports torch, creates the CUDA context, imports kvtier, builds a TieredPool of fp8
    pages upcast to bf16 and one of bf16 pages, and moves a page each way (which loads both
-   native/ modules). Phases are timed apart; "pool" = constructor + first transfers, the
-   figure the issue's goal (<= 0.25 s) is about. Where CuPy is installed, a third process
+   native/ modules). Phases are timed apart (cuda-bindings' imports on their own); "pool" =
+   constructor + first transfers; the issue's goal (<= 0.25 s) is cuda-bindings + kvtier
+   imports + the first pool, in a process whose CUDA context exists. Where CuPy is installed, a third process
    times the old path once (CuPy RawModule compile into an empty CUPY_CACHE_DIR) for contrast.
 2. Both directions: kvtier.bench.both_directions at 64 / 256 / 1024 KiB records, against the
    both-directions PCIe limit measured in the same run.
@@ -42,11 +43,14 @@ import torch
 t1 = time.perf_counter()
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 t2 = time.perf_counter()
+from cuda.bindings import driver, runtime
+t2b = time.perf_counter()
 from kvtier import TieredPool, prefix_keys
 from kvtier.format import PageFormat
 from kvtier.transfer import native
 t3 = time.perf_counter()
-phases = {"import_torch_s": t1 - t0, "cuda_context_s": t2 - t1, "import_kvtier_s": t3 - t2}
+phases = {"import_torch_s": t1 - t0, "cuda_context_s": t2 - t1, "import_cuda_bindings_s": t2b - t2,
+          "import_kvtier_s": t3 - t2b}
 for label, fmt in (("fp8->bf16", PageFormat(32, 8, 128, 16, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")),
                    ("bf16", PageFormat(32, 8, 128, 16))):
     a = time.perf_counter()
@@ -60,10 +64,11 @@ for label, fmt in (("fp8->bf16", PageFormat(32, 8, 128, 16, dtype="fp8_e4m3", sc
     torch.cuda.synchronize()
     c = time.perf_counter()
     phases[label] = {"constructor_s": b - a, "first_transfers_s": c - b, "pool_s": c - a,
-                     "path": pool.engine.last_path}
+                     "path": getattr(pool.engine, "last_path", type(pool.engine).__name__)}
     pool.close()
 cache = native.cache()
 phases["cache"] = {"directory": str(cache.directory), "hits": cache.hits, "compiles": cache.compiles}
+phases["nvrtc_loaded"] = "cuda.bindings.nvrtc" in sys.modules
 phases["total_s"] = time.perf_counter() - t0
 print("RESULT " + json.dumps(phases))
 """
@@ -115,8 +120,9 @@ def first_pool(report: dict) -> None:
             continue
         pools = "  ".join(f"{k}: pool {v['pool_s']:.3f} (ctor {v['constructor_s']:.3f}, transfers {v['first_transfers_s']:.3f}, "
                           f"{v['path']})" for k, v in run.items() if isinstance(v, dict) and "pool_s" in v)
-        print(f"{label}: import torch {run['import_torch_s']:.3f}, context {run['cuda_context_s']:.3f}, import kvtier "
-              f"{run['import_kvtier_s']:.3f}; {pools}; cache {run['cache']}; total {run['total_s']:.3f}")
+        print(f"{label}: import torch {run['import_torch_s']:.3f}, context {run['cuda_context_s']:.3f}, import "
+              f"cuda.bindings driver+runtime {run['import_cuda_bindings_s']:.3f}, import kvtier {run['import_kvtier_s']:.3f}; "
+              f"{pools}; cache {run['cache']}; nvrtc loaded {run['nvrtc_loaded']}; total {run['total_s']:.3f}")
     print(f"cupy (old path, cold): {runs['cupy_cold_compile']}")
 
 
