@@ -196,7 +196,7 @@ def _load(device_index: int, module: str):
     _driver_check(driver, driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
     try:
         buffer = np.frombuffer(image, dtype=np.uint8)
-        return _driver_check(driver, driver.cuModuleLoadData(buffer.ctypes.data), f"cuModuleLoadData of {module} ({arch})")
+        return _driver_check(driver, driver.cuModuleLoadData(buffer.ctypes.data), f"cuModuleLoadData of {module} (sm_{capability[0]}{capability[1]})")
     finally:
         driver.cuCtxPopCurrent()
 
