@@ -76,7 +76,7 @@ def paths_for(fmt: PageFormat, op: str) -> list[str]:
     from kvtier.transfer.cuda import driver
     from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
 
-    kernels = native.cupy_available() and driver.available()
+    kernels = native.kernels_available() and driver.available()
     paths = ["auto"] + (["kernel"] if kernels else [])
     if batch_memcpy_runtime() is not None:
         if not fmt.converts:

@@ -156,7 +156,8 @@ def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
     args = make_case(seed, dtype, scale, "nhd", page_size=16, max_len=300, group=4, kv_heads=2)
     args["q"] = (args["q"].float() * q_mult).bfloat16()
     args["v_scales"] = args["v_scales"] * v_mult
-    for fp8_dot, dot_dtype in (("fp16", torch.float16), ("query", torch.bfloat16), ("pairs", torch.float16)):
+    for fp8_dot, dot_dtype in (("fp16", torch.float16), ("query", torch.bfloat16), ("pairs", torch.float16),
+                               ("pairs_vmax", torch.float16), ("pairs_lean", torch.float16)):
         out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
         paged_decode_attention(**args, out=out, num_splits=3, block_n=32, fp8_dot=fp8_dot)
         assert_close_to_reference(out, args, dot_dtype)
@@ -165,7 +166,7 @@ def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
 FP8_LAYOUT_CASES = [case for case in CASES if case[0].startswith("fp8")]
 
 
-@pytest.mark.parametrize("fp8_dot", ["query", "fp16", "pairs"])
+@pytest.mark.parametrize("fp8_dot", ["query", "fp16", "pairs", "pairs_vmax", "pairs_lean"])
 @pytest.mark.parametrize("dtype,scale,layout", FP8_LAYOUT_CASES)
 def test_every_fp8_dot_mode_matches_float64_reference(dtype, scale, layout, fp8_dot):
     """Each way of running the dots over fp8 pages, over random shapes, splits and block sizes;
@@ -322,3 +323,17 @@ def test_bad_head_dim_and_block():
         paged_decode_attention(**args, fp8_dot="bf16")
     with pytest.raises(ValueError, match="num_splits must be an int >= 1, got 0"):
         paged_decode_attention(**args, num_splits=0)
+
+
+@pytest.mark.parametrize("fp8_dot", ["pairs", "pairs_vmax", "pairs_lean"])
+def test_pairs_variants_with_v_scales_spread_over_four_decades(fp8_dot):
+    """Per-token V scales from 2^-14 to 1 within one split: "pairs_vmax" and "pairs_lean" divide
+    them by the split's largest, so small-scale tokens' probabilities reach fp16 far below 1;
+    their contribution is as small as their scale, and the output holds fp16's bound."""
+    args = make_case(950, "fp8_e4m3", "per_token_head", "nhd", page_size=16, max_len=300, group=4, kv_heads=2, batch=2)
+    gen = torch.Generator().manual_seed(951)
+    spread = torch.pow(2.0, -14 * torch.rand(args["v_scales"].shape, generator=gen))
+    args["v_scales"] = args["v_scales"] * spread
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=1, block_n=32, fp8_dot=fp8_dot)
+    assert_close_to_reference(out, args, torch.float16)

@@ -7,7 +7,7 @@ One run measures, on the same machine and in the same process:
 - kvtier offload and reload of scattered pages, 4 KiB to 4 MiB records, per engine path;
 - reload with fp8 -> bf16 upcast (bf16 bytes delivered per second) and offload with
   bf16 -> fp8 quantize (bf16 bytes consumed per second);
-- offload and reload at the same time;
+- offload and reload at the same time, per pairing of copy mechanisms (kvtier.bench.both_directions);
 - a synthetic decode loop (a bf16 matmul per layer standing in for attention) with all KV
   reloaded layer by layer from host (wait_layer per layer), against the same loop with the
   KV resident, and against the transfer alone.
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvtier.bench import plots
+from kvtier.bench import both_directions, plots
 from kvtier.format import PageFormat
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import TorchEngine
@@ -221,7 +221,7 @@ def gpu_paths() -> list[str]:
     from kvtier.transfer.cuda import driver
     from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
 
-    kernels = native.cupy_available() and driver.available()
+    kernels = native.kernels_available() and driver.available()
     paths = []
     if kernels:
         paths.append("kernel")
@@ -287,20 +287,9 @@ def gpu_page_size(
             else:
                 results.add("offload", path, fmt.page_bytes, pages, offload_s, wire_bytes, offload_note, offload.device_runs)
                 results.add("reload", path, fmt.page_bytes, pages, reload_s, wire_bytes, reload_note, reload.device_runs)
-                both = time_cuda(
-                    lambda: [
-                        engine.offload(dslots, hslots, ready=engine.record_ready()),
-                        engine.reload(hslots_b, dslots_b, ready=engine.record_ready()),
-                    ],
-                    args.repeats,
-                    2,
-                )
-                results.add(
-                    "offload+reload at once", path, fmt.page_bytes, pages, both.device_s, 2 * wire_bytes,
-                    _launch_note(engine, both), both.device_runs,
-                )
             engine.close()
         if not converting:
+            both_directions.measure(results, time_cuda, dev, host, (dslots, hslots, dslots_b, hslots_b), paths, args.repeats)
             piece = time_cuda(lambda: per_piece_offload(dev, host, dslots, hslots), args.repeats, 1)
             results.add(
                 "offload", "per-piece memcpy", fmt.page_bytes, pages, piece.device_s, wire_bytes,
@@ -389,7 +378,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
     sizes = args.sizes
     converting_paths = [p for p in paths if p != "copy_engine"]
     decode_paths = [p for p in paths if p not in ("torch", "staged")] or paths
-    bar = progress(1 + len(sizes) * (3 * len(paths) + 1 + 2 * len(converting_paths)) + len(decode_paths), not args.no_progress)
+    bar = progress(1 + len(sizes) * (2 * len(paths) + len(both_directions.pairings(paths)) + 1 + 2 * len(converting_paths)) + len(decode_paths), not args.no_progress)
     results = Results(bar)
     limits = gpu_limits(min(budget, 1 * GIB), args.repeats)
     if bar is not None:

@@ -60,7 +60,7 @@ LOG2E = 1.4426950408889634
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
-FP8_DOTS = ("fp16", "query", "pairs")
+FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean")
 BLOCK_N = {True: 128, False: 64}  # default block_n for fp8 pages / 16-bit pages (measured, H200)
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
 MIN_DOT = 16
@@ -267,6 +267,8 @@ def _decode_split_pairs(
     FP8: tl.constexpr,
     ASM: tl.constexpr,
     SINGLE: tl.constexpr,
+    SPLIT_VMAX: tl.constexpr = False,
+    ROW_SUMS: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
 
@@ -278,6 +280,10 @@ def _decode_split_pairs(
     probabilities taken relative to the row's largest score in the block and times V's scales
     divided by the block's largest scale (both factors come back in fp32). Needs head_dim >= 32
     (each dot's inner dimension, head_dim / 2, at least 16).
+    Two variants take cross-warp reductions out of the loop ("pairs_lean"): SPLIT_VMAX divides
+    V's scales by the split's largest (one pass over the split's scales first, reduced once)
+    instead of each block's; ROW_SUMS keeps the softmax denominators per column and sums them
+    once after the loop.
     """
     HALF_D: tl.constexpr = HEAD_DIM // 2
     b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
@@ -297,6 +303,15 @@ def _decode_split_pairs(
         s = tl.zeros([BLOCK_H], tl.float32)
         acc_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
         acc_odd = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        row_sums = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        v_top = 1.0
+        if SPLIT_VMAX:
+            v_tops = tl.zeros([BLOCK_N], tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                live, page, row = _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
+                v_tops = tl.maximum(v_tops, _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live))
+            v_top = tl.max(v_tops, 0)
+            v_top = tl.where(v_top > 0, v_top, 1.0)
         for n0 in range(start, end, BLOCK_N):
             live, page, row = _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
             k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
@@ -319,12 +334,18 @@ def _decode_split_pairs(
             alpha = tl.exp2(m - m_new)
             weight = tl.exp2(m_block - m_new)
             p = tl.exp2(score - m_block[:, None])
-            s = s * alpha + tl.sum(p, 1) * weight
+            if ROW_SUMS:
+                row_sums = row_sums * alpha[:, None] + p * weight[:, None]
+            else:
+                s = s * alpha + tl.sum(p, 1) * weight
             v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
-            v_max = tl.max(v_scale, 0)
-            v_max = tl.where(v_max > 0, v_max, 1.0)
-            weight = weight * v_max
-            p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+            if SPLIT_VMAX:
+                p = (p * (v_scale / v_top)[None, :]).to(tl.float16)
+            else:
+                v_max = tl.max(v_scale, 0)
+                v_max = tl.where(v_max > 0, v_max, 1.0)
+                weight = weight * v_max
+                p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
             v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
             if ASM:
                 pv_even = tl.dot(p, v_even)
@@ -335,14 +356,17 @@ def _decode_split_pairs(
             acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
             acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
             m = m_new
+        if ROW_SUMS:
+            s = tl.sum(row_sums, 1)
+        divisor = s / v_top  # the accumulators hold V's scales divided by v_top (1 but under SPLIT_VMAX)
         if SINGLE:
             o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
-            tl.store(o_ptr, (acc_even / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
-            tl.store(o_ptr + 1, (acc_odd / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+            tl.store(o_ptr, (acc_even / divisor[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+            tl.store(o_ptr + 1, (acc_odd / divisor[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
         else:
             o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
-            tl.store(o_ptr, acc_even / s[:, None], mask=mask_h[:, None])
-            tl.store(o_ptr + 1, acc_odd / s[:, None], mask=mask_h[:, None])
+            tl.store(o_ptr, acc_even / divisor[:, None], mask=mask_h[:, None])
+            tl.store(o_ptr + 1, acc_odd / divisor[:, None], mask=mask_h[:, None])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
 
 
@@ -549,7 +573,9 @@ def paged_decode_attention(
     ranges, merged after.
     fp8_dot: how the dots read fp8 pages: "pairs" (default: 16-bit words of two values, fp16
     dots; see _decode_split_pairs; pages whose strides or offset are odd in bytes, and head_dim
-    16, are read as under "query"), "query" (pages converted to q's dtype, as 16-bit pages are read) or "fp16"
+    16, are read as under "query"), "pairs_vmax" / "pairs_lean" (the same with fewer reductions
+    in the loop, see _decode_split_pairs; measured against "pairs" by
+    scripts/h200_kernels_at_the_limit.py), "query" (pages converted to q's dtype, as 16-bit pages are read) or "fp16"
     (see _decode_split's F16).
     block_n: KV tokens a program reads per step (default BLOCK_N: 128 for fp8 pages, 64 for
     16-bit pages). The defaults are the fastest of configuration searches on an H200 at batch
@@ -589,7 +615,8 @@ def paged_decode_attention(
     vs_strides = _scale_strides(v_scales, scale, layout) if scaled else (0, 0, 0)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    words = _word_views(k_pages, v_pages) if fp8 and fp8_dot == "pairs" and head_dim >= 2 * MIN_DOT else None
+    pairs = fp8_dot.startswith("pairs")
+    words = _word_views(k_pages, v_pages) if fp8 and pairs and head_dim >= 2 * MIN_DOT else None
     if words is not None:
         k_arg, v_arg = words
     elif fp8:
@@ -598,7 +625,7 @@ def paged_decode_attention(
         k_arg, v_arg = k_pages, v_pages
     kernel = _decode_split_pairs if words is not None else _decode_split
     flags = (
-        dict(FP8=fp8, ASM=not INTERPRETED)
+        dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
         if words is not None
         else dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
     )

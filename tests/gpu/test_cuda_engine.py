@@ -26,7 +26,7 @@ from tests.gpu.random_tiers import fill_random
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CudaEngine tests need a CUDA GPU")]
 
 HAS_CUDA = torch.cuda.is_available()
-HAS_CUPY = HAS_CUDA and native.cupy_available() and cuda_driver.available()  # what the kernel path needs
+HAS_CUPY = HAS_CUDA and native.kernels_available() and cuda_driver.available()  # what the kernel path needs
 HAS_BATCH_MEMCPY = HAS_CUDA and batch_memcpy_runtime() is not None
 CAN_CONVERT = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)
 POISON = 0xFF
@@ -61,7 +61,7 @@ CONVERTING = [
 def _path_marks(fmt: PageFormat, path: str) -> list:
     if path == "kernel":
         return [
-            pytest.mark.skipif(not HAS_CUPY, reason="kernel path needs CuPy and cuda-bindings"),
+            pytest.mark.skipif(not HAS_CUPY, reason="kernel path needs cuda-bindings and NVRTC"),
             pytest.mark.skipif(fmt.converts and not CAN_CONVERT, reason="fp8 conversion kernels need sm_89+"),
         ]
     if path == "copy_engine":
@@ -223,7 +223,7 @@ def test_reload_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
 
 @pytest.mark.parametrize("fmt", [pytest.param(f, id=f.describe()) for f in CONVERTING])
 @pytest.mark.skipif(
-    not (HAS_CUPY and CAN_CONVERT and HAS_BATCH_MEMCPY), reason="staged upcast needs CuPy, sm_89+ and cuda-bindings >= 12.8"
+    not (HAS_CUPY and CAN_CONVERT and HAS_BATCH_MEMCPY), reason="staged upcast needs NVRTC, sm_89+ and cuda-bindings >= 12.8"
 )
 def test_staged_reload_matches_cpu_twin(fmt: PageFormat) -> None:
     rng = np.random.default_rng(3)
@@ -268,7 +268,7 @@ def test_device_copy_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
 
 # --- conversion numerics --------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", [pytest.param(f, id=f.describe()) for f in CONVERTING])
-@pytest.mark.skipif(not (HAS_CUPY and CAN_CONVERT), reason="fused conversion kernels need CuPy and sm_89+")
+@pytest.mark.skipif(not (HAS_CUPY and CAN_CONVERT), reason="fused conversion kernels need NVRTC and sm_89+")
 def test_quantize_on_offload_against_float64_and_codec(fmt: PageFormat) -> None:
     tiers = Tiers(fmt, seed=400)
     dslots = list(range(5, 21))
@@ -300,7 +300,7 @@ def test_quantize_on_offload_against_float64_and_codec(fmt: PageFormat) -> None:
 
 
 @pytest.mark.parametrize("fmt", [pytest.param(f, id=f.describe()) for f in CONVERTING])
-@pytest.mark.skipif(not (HAS_CUPY and CAN_CONVERT), reason="fused conversion kernels need CuPy and sm_89+")
+@pytest.mark.skipif(not (HAS_CUPY and CAN_CONVERT), reason="fused conversion kernels need NVRTC and sm_89+")
 def test_upcast_on_reload_against_float64(fmt: PageFormat) -> None:
     tiers = Tiers(fmt, seed=500)
     hslots = list(range(3, 19))
@@ -450,6 +450,31 @@ def test_wait_layer_then_read_layer(path: str) -> None:
 
 
 # --- paths, launches and refusals ------------------------------------------------------------
+@pytest.mark.skipif(not (HAS_CUPY and HAS_BATCH_MEMCPY), reason="needs both the kernel path and cudaMemcpyBatchAsync")
+def test_auto_splits_directions_while_both_are_in_flight() -> None:
+    """An offload held on the copy engines (behind a GPU sleep) sends the reload that arrives
+    meanwhile to the kernel; both land bit-exact; once the offload landed, reloads return to
+    the copy engines."""
+    tiers = Tiers(PASSTHROUGH[3], seed=802, device_pages=8, host_pages=8)
+    twin = TorchEngine(tiers.cpu_dev, tiers.cpu_host)
+    engine = CudaEngine(tiers.dev, tiers.host)
+    torch.cuda._sleep(50_000_000)  # about 25 ms: the offload below waits behind it
+    offload = engine.offload([0, 1], [4, 5], ready=engine.record_ready())
+    assert engine.last_path == "copy_engine" and not offload.done()
+    reload = engine.reload([6, 7], [2, 3])
+    assert engine.last_path == "kernel"
+    offload.synchronize()
+    reload.synchronize()
+    twin.offload([0, 1], [4, 5]).synchronize()
+    twin.reload([6, 7], [2, 3]).synchronize()
+    _assert_bytes_equal(tiers.host.buffer, tiers.cpu_host.buffer, "host records after the split offload")
+    _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, "device pages after the split reload")
+    engine.reload([4, 5], [6, 7]).synchronize()
+    assert engine.last_path == "copy_engine"
+    engine.close()
+    tiers.close()
+
+
 def test_auto_path_and_launch_shape() -> None:
     small = Tiers(PASSTHROUGH[0], seed=800)
     engine = CudaEngine(small.dev, small.host)

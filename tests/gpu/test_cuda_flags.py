@@ -25,10 +25,10 @@ from tests.gpu.random_tiers import fill_random
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-HAS_KERNELS = torch.cuda.is_available() and native.cupy_available() and cuda_driver.available()
+HAS_KERNELS = torch.cuda.is_available() and native.kernels_available() and cuda_driver.available()
 HAS_COPY_ENGINE = torch.cuda.is_available() and batch_memcpy_runtime() is not None
 CAN_CONVERT = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-needs_kernels = pytest.mark.skipif(not (HAS_KERNELS and CAN_CONVERT), reason="kernel path needs CuPy, cuda-bindings, sm_89+")
+needs_kernels = pytest.mark.skipif(not (HAS_KERNELS and CAN_CONVERT), reason="kernel path needs NVRTC, cuda-bindings, sm_89+")
 PAGES = 24
 
 
@@ -92,7 +92,7 @@ OWNED_FORMATS = [
 @pytest.mark.parametrize("fmt", OWNED_FORMATS, ids=lambda f: f.describe())
 def test_engine_owned_tensors_on_every_path(fmt: PageFormat, layout: str, path: str) -> None:
     if path == "kernel" and not (HAS_KERNELS and CAN_CONVERT):
-        pytest.skip("kernel path needs CuPy, cuda-bindings and sm_89+")
+        pytest.skip("kernel path needs NVRTC, cuda-bindings and sm_89+")
     if path == "copy_engine" and (fmt.converts or not HAS_COPY_ENGINE):
         pytest.skip("copy engines move bytes as they are (and need cuda-bindings >= 12.8)")
     dev, host, cpu_dev, cpu_host = _twins(fmt, layout, seed=len(layout))
@@ -174,7 +174,7 @@ def test_many_transfers_in_flight_and_dropped_tickets() -> None:
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_offload_reports_pages_with_nan_or_inf(path: str) -> None:
     if path == "kernel" and not (HAS_KERNELS and CAN_CONVERT):
-        pytest.skip("kernel path needs CuPy, cuda-bindings and sm_89+")
+        pytest.skip("kernel path needs NVRTC, cuda-bindings and sm_89+")
     fmt = PageFormat(3, 2, 128, 16, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")
     dev, host = DeviceTier(fmt, 16, "cuda"), HostTier(fmt, 16, pin=True)
     cpu_dev, cpu_host = DeviceTier(fmt, 16, "cpu"), HostTier(fmt, 16, pin=False)

@@ -93,7 +93,7 @@ class Driver:
         return self._check(result, what, args)
 
     def function(self, handle: int):
-        """A CUfunction handle object for a CuPy kernel's `kernel.ptr`."""
+        """A CUfunction handle object for a kernel handle from kvtier.transfer.native.function."""
         return self._cu.CUfunction(handle)
 
     def stream(self, handle: int):

@@ -12,7 +12,7 @@ choice among four ways to move bytes, one module each:
 - "copy_engine" (copy_engine_path.py): cudaMemcpyBatchAsync, no SM used; events per layer.
 - "staged" (staged_path.py, converting reloads; elsewhere it acts as "auto"): copy engines
   into a device staging buffer, then the upcast kernel from HBM; events.
-- "torch" (torch_path.py): staging and plain copies; the fallback without CuPy or
+- "torch" (torch_path.py): staging and plain copies; the fallback without NVRTC or
   cuda-bindings; events.
 
 Why one launch with flags (BENCHMARKS.md, 2026-12-02 H200): the per-layer scheme spent about
@@ -26,11 +26,14 @@ pinned memory read through its device alias (no copy to queue, nothing to alloca
 transfer); the kernel reads each entry a few times per chunk, which PCIe latency hides
 behind the data's own reads.
 
-"auto" takes the kernel unless the transfer passes bytes through, every piece is at least
-COPY_ENGINE_MIN_PIECE bytes, and the copy engines' host cost (one call and one event per
-layer on reload, about 1.8 us a piece) is below the bytes' PCIe time, so queueing keeps up
-and a small transfer never pays per-layer host costs; torch where CuPy or cuda-bindings is
-missing (or the GPU predates sm_89 for a converting format). A reload with a user
+"auto" (path_choice.py, pure and tested on the CPU) takes the kernel unless the transfer
+passes bytes through, every piece is at least COPY_ENGINE_MIN_PIECE bytes, and the copy
+engines' host cost is below the bytes' PCIe time, then the copy engines; while the opposite
+direction (offload against reload) is in flight it puts the two directions on different
+mechanisms, one on the copy engines and one on the SM kernel. The engine remembers per
+direction the path of its latest transfer and a check that it has landed (a pinned flag read
+for the kernel, an event query otherwise). Torch where cuda-bindings or NVRTC is missing (or
+the GPU predates sm_89 for a converting format). A reload with a user
 ReloadTransform runs per layer (the transform is Python between layers): per-layer kernel
 launches and events. `last_path` and `last_launch` say what the latest transfer used.
 
@@ -52,29 +55,20 @@ import torch
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import native
 from kvtier.transfer.cuda import driver as cuda_driver
-from kvtier.transfer.cuda import plans
+from kvtier.transfer.cuda import path_choice, plans
 from kvtier.transfer.cuda.copy_engine_path import CopyEnginePath, batch_memcpy_runtime
 from kvtier.transfer.cuda.kernel_path import KernelPath
+from kvtier.transfer.cuda.path_choice import PATHS
 from kvtier.transfer.cuda.plans import THREADS
 from kvtier.transfer.cuda.staged_path import staged_reload
 from kvtier.transfer.cuda.tickets import EventTicket, FlagTicket, StreamLane
 from kvtier.transfer.cuda.torch_path import TorchPath
 from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine
 
-PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
-# Measured on the H200 (BENCHMARKS.md, 2026-12-02): from 128 KiB pieces the copy engines
-# move 55 GB/s against the SM kernel's 52, and the host queues a piece in 1.5-2.8 us
-# through cuda-bindings, about the time the engines take to move it. COPY_ENGINE_CALL_S is
-# the fixed host cost of one batch call plus its event (benchmarks/engine_host_cost.py
-# measures it); PCIE_BYTES_PER_S the contiguous pinned rate.
-COPY_ENGINE_MIN_PIECE = 128 * 1024
-COPY_ENGINE_PIECE_S = 1.8e-6
-COPY_ENGINE_CALL_S = 10e-6
-PCIE_BYTES_PER_S = 55e9
-FP8_CONVERT_CAPABILITY = (8, 9)
 # Batches up to this many slots are checked in plain Python (faster than numpy's per-call
 # overhead); longer ones with numpy.
 SMALL_BATCH = 256
+OPPOSITE = {"offload": "reload", "reload": "offload"}
 
 
 class ReadyEvent:
@@ -137,7 +131,7 @@ class CudaEngine(TransferEngine):
         self.device_copy_stream = torch.cuda.Stream(self.device)
         # The staged reload's DMA into HBM runs here, beside the upcasts on the reload stream.
         self.staging_stream = torch.cuda.Stream(self.device, priority=-1)
-        self.has_cupy = native.cupy_available()
+        self.has_kernels = native.kernels_available(index)
         self.driver = cuda_driver.Driver(self.device) if cuda_driver.available() else None
         self._runtime = batch_memcpy_runtime()
         self.records = self._host_pointer()
@@ -147,7 +141,7 @@ class CudaEngine(TransferEngine):
         self.copy_engine = CopyEnginePath(fmt, self.table, self.records, self._runtime) if self._runtime else None
         self.kernels = None
         self.offload_lane = self.reload_lane = self.device_lane = None
-        if self.has_cupy and self.driver is not None:
+        if self.has_kernels and self.driver is not None:
             self.kernels = KernelPath(
                 fmt, self.table, self._table_device.data_ptr(), self.records, self._launch, self.max_blocks, self.sm_count
             )
@@ -159,6 +153,9 @@ class CudaEngine(TransferEngine):
         self._free_events: list = []
         self._retired: collections.deque = collections.deque()
         self.last_path: str | None = None
+        self._abilities = path_choice.Abilities(self.kernels is not None, self.copy_engine is not None, self.capability)
+        # Per direction, the path of its latest transfer and a check that it has landed, or None.
+        self._in_flight: dict[str, tuple[str, object] | None] = {"offload": None, "reload": None}
 
     @property
     def last_launch(self):
@@ -183,7 +180,7 @@ class CudaEngine(TransferEngine):
         if count == 0:
             return DoneTicket(fmt.num_layers)
         self._reap()
-        path = self._choose(converts=fmt.converts, count=count, calls=1)
+        path = self._choose(converts=fmt.converts, count=count, calls=1, direction="offload")
         self.last_path = path
         if path == "kernel":
             lane = self.offload_lane
@@ -197,6 +194,7 @@ class CudaEngine(TransferEngine):
                     buffer.failed[:count] = 0
                 seq = lane.next_seq()
                 self.kernels.submit("offload", lane, buffer, count, seq)
+            self._in_flight["offload"] = ("kernel", self._lane_check(lane, seq))
             return FlagTicket(lane, seq, buffer, count, fmt.converts, self.device, count * fmt.page_bytes)
         stream = self.offload_stream
         dev_idx, host_idx = np.asarray(dev, dtype=np.int64), np.asarray(host, dtype=np.int64)
@@ -212,6 +210,7 @@ class CudaEngine(TransferEngine):
                 keep = [slots, staged]
             event = torch.cuda.Event()
             event.record(stream)
+        self._in_flight["offload"] = (path, event.query)
         return EventTicket([event], fmt.num_layers, self.device, tuple(keep), self._retired, failed)
 
     def reload(self, host_slots, device_slots, ready=None) -> Ticket:
@@ -223,7 +222,7 @@ class CudaEngine(TransferEngine):
         if count == 0:
             return DoneTicket(fmt.num_layers)
         self._reap()
-        path = self._choose(converts=fmt.converts, count=count, calls=fmt.num_layers, staged_ok=True)
+        path = self._choose(converts=fmt.converts, count=count, calls=fmt.num_layers, staged_ok=True, direction="reload")
         self.last_path = path
         if path == "kernel" and self.transform is None:
             lane = self.reload_lane
@@ -235,6 +234,7 @@ class CudaEngine(TransferEngine):
                 buffer.dst[:count] = dev
                 seq = lane.next_seq()
                 self.kernels.submit("reload", lane, buffer, count, seq)
+            self._in_flight["reload"] = ("kernel", self._lane_check(lane, seq))
             return FlagTicket(lane, seq, buffer, count, False, self.device, count * fmt.page_bytes)
         stream = self.reload_stream
         host_idx, dev_idx = np.asarray(host, dtype=np.int64), np.asarray(dev, dtype=np.int64)
@@ -242,6 +242,7 @@ class CudaEngine(TransferEngine):
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if path == "staged":
                 events = staged_reload(self, host_idx, dev_idx, ready, keep)
+                self._in_flight["reload"] = (path, events[-1].query)
                 return EventTicket(events, fmt.num_layers, self.device, tuple(keep), self._retired)
             if ready is not None:
                 self.wait_ready(stream, None, ready)
@@ -258,6 +259,7 @@ class CudaEngine(TransferEngine):
                         stream.cuda_stream, self.copy_engine.pieces("reload", range(layer, layer + 1), host_idx, dev_idx)
                     )
                     events.append(self.land_layer(stream, layer, dev_idx))
+        self._in_flight["reload"] = (path, events[-1].query)
         return EventTicket(events, fmt.num_layers, self.device, tuple(keep), self._retired)
 
     def device_copy(self, src_slots, dst_slots) -> Ticket:
@@ -309,48 +311,20 @@ class CudaEngine(TransferEngine):
         self._retired.clear()
 
     # --- choosing a path ---------------------------------------------------------------------
-    def _copy_engine_keeps_up(self, count: int, calls: int, piece_bytes: int) -> bool:
-        """The copy engines' host queueing of this transfer is no slower than its bytes' PCIe time."""
-        fmt = self.fmt
-        pieces = count * fmt.num_layers * fmt.planes * (2 if fmt.device_has_scales else 1)
-        host_s = calls * COPY_ENGINE_CALL_S + pieces * COPY_ENGINE_PIECE_S
-        return piece_bytes >= COPY_ENGINE_MIN_PIECE and host_s <= count * fmt.page_bytes / PCIE_BYTES_PER_S
-
-    def _choose(self, converts: bool, count: int, calls: int, staged_ok: bool = False, piece_bytes: int | None = None) -> str:
-        fp8_ok = self.capability >= FP8_CONVERT_CAPABILITY
-        kernel_ok = self.kernels is not None and (fp8_ok or not converts)
-        piece_bytes = self.fmt.plane_elems * self.fmt.elem_bytes if piece_bytes is None else piece_bytes
-        if self.path == "staged" and staged_ok and converts:
-            if self.copy_engine is None or not kernel_ok:
-                raise RuntimeError(
-                    "path='staged' needs cudaMemcpyBatchAsync (cuda-bindings >= 12.8), CuPy and an sm_89+ GPU"
-                )
-            return "staged"
-        if self.path in ("auto", "staged"):
-            if not converts and self.copy_engine is not None and self._copy_engine_keeps_up(count, calls, piece_bytes):
-                return "copy_engine"
-            return "kernel" if kernel_ok else "torch"
-        if self.path == "kernel":
-            if self.kernels is None:
-                raise RuntimeError(
-                    "path='kernel' needs CuPy with a visible CUDA device and cuda-bindings "
-                    "(pip install cupy-cuda13x cuda-bindings)"
-                )
-            if converts and not fp8_ok:
-                raise RuntimeError(
-                    f"path='kernel' converts fp8 with sm_89+ instructions; this GPU is sm_{self.capability[0]}{self.capability[1]}"
-                )
-        if self.path == "copy_engine":
-            if converts:
-                raise ValueError(
-                    f"path='copy_engine' moves bytes as they are, but {self.fmt.describe()} converts dtypes; "
-                    "use 'kernel' or 'torch'"
-                )
-            if self.copy_engine is None:
-                raise RuntimeError(
-                    "path='copy_engine' needs cudaMemcpyBatchAsync from cuda-bindings >= 12.8 (pip install cuda-bindings)"
-                )
-        return self.path
+    def _choose(self, converts: bool, count: int, calls: int, staged_ok: bool = False, piece_bytes: int | None = None,
+                direction: str | None = None) -> str:
+        opposite = None
+        if direction is not None:
+            busy = self._in_flight[OPPOSITE[direction]]
+            if busy is not None:
+                if busy[1]():
+                    self._in_flight[OPPOSITE[direction]] = None
+                else:
+                    opposite = busy[0]
+        return path_choice.choose(
+            self.path, self.fmt, self._abilities, converts=converts, count=count, calls=calls, staged_ok=staged_ok,
+            piece_bytes=piece_bytes, opposite=opposite,
+        )
 
     # --- slots -------------------------------------------------------------------------------
     @staticmethod
@@ -409,6 +383,11 @@ class CudaEngine(TransferEngine):
         event.record(stream)
         return event
 
+    @staticmethod
+    def _lane_check(lane: StreamLane, seq: int):
+        """A check that the lane's transfer `seq` has landed (a read of its pinned flag, no CUDA call)."""
+        return lambda: lane.landed(seq, lane.num_layers)
+
     def _reap(self) -> None:
         retired = self._retired
         while retired and retired[0][0].query():
@@ -436,12 +415,8 @@ class CudaEngine(TransferEngine):
         self.driver.launch(function, blocks, THREADS, lane.cu_stream, launch.params_ptr, launch.name)
 
     def _compile(self, name: str):
-        import cupy
-
         module = "page_copy" if name.startswith("copy_") else "page_convert"
-        with cupy.cuda.Device(self.device.index):
-            pointer = native.kernel(self.device.index, module, name).kernel.ptr
-        function = self.driver.function(pointer)
+        function = self.driver.function(native.function(self.device.index, module, name))
         self._functions[name] = function
         return function
 

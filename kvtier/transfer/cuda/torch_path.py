@@ -1,6 +1,6 @@
 """The torch path: a device staging buffer laid out as host records, moved by plain copies.
 
-Owns the CUDA engine's fallback where CuPy or cuda-bindings is missing, and a second
+Owns the CUDA engine's fallback where NVRTC or cuda-bindings is missing, and a second
 reference in the tests: offload gathers pages into a device staging buffer with
 index_select (quantizing through the codec), then one cudaMemcpyAsync per run of
 consecutive host slots; reload is the reverse. Staging is bounded (TORCH_STAGING_BYTES);

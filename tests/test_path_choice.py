@@ -1,0 +1,100 @@
+"""The CUDA engine's copy-path rules (kvtier.transfer.cuda.path_choice) on the CPU: what "auto"
+picks from a transfer's shape, one direction on each mechanism while the opposite direction
+is in flight, and the refusals of forced paths a machine cannot run. The GPU tests check that
+the engine hands these rules what it sees (tests/gpu/test_cuda_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.format import PageFormat
+from kvtier.transfer.cuda import path_choice
+from kvtier.transfer.cuda.path_choice import Abilities, choose, copy_engine_keeps_up
+
+H200 = Abilities(kernels=True, copy_engine=True, capability=(9, 0))
+BIG = PageFormat(4, 8, 128, 128)  # 256 KiB planes
+SMALL = PageFormat(4, 8, 128, 16)  # 32 KiB planes
+CONVERTING = PageFormat(4, 8, 128, 128, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")
+
+
+def offload(fmt, can=H200, opposite=None, setting="auto", count=64):
+    return choose(setting, fmt, can, converts=fmt.converts, count=count, calls=1, opposite=opposite)
+
+
+def reload(fmt, can=H200, opposite=None, setting="auto", count=64):
+    return choose(setting, fmt, can, converts=fmt.converts, count=count, calls=fmt.num_layers, staged_ok=True, opposite=opposite)
+
+
+@pytest.mark.parametrize("direction", [offload, reload])
+def test_auto_alone_follows_the_piece_size(direction):
+    assert direction(BIG) == "copy_engine"
+    assert direction(SMALL) == "kernel"
+    assert direction(CONVERTING) == "kernel"
+
+
+@pytest.mark.parametrize("direction", [offload, reload])
+def test_auto_puts_both_directions_on_different_mechanisms(direction):
+    # The opposite direction holds the copy engines: this one takes the SMs.
+    assert direction(BIG, opposite="copy_engine") == "kernel"
+    # It holds the SMs (or something else): this one takes the copy engines, as alone.
+    assert direction(BIG, opposite="kernel") == "copy_engine"
+    assert direction(BIG, opposite="staged") == "copy_engine"
+    assert direction(BIG, opposite="torch") == "copy_engine"
+    # Small pieces stay on the kernel whatever the other direction does.
+    assert direction(SMALL, opposite="copy_engine") == "kernel"
+    assert direction(SMALL, opposite="kernel") == "kernel"
+
+
+def test_the_pair_of_a_busy_copy_engine_offload_and_a_reload_splits():
+    first = offload(BIG)
+    second = reload(BIG, opposite=first)
+    assert (first, second) == ("copy_engine", "kernel")
+    # The reverse arrival: a kernel reload in flight sends the offload to the copy engines.
+    assert offload(BIG, opposite=reload(SMALL)) == "copy_engine"
+
+
+def test_without_kernels_a_busy_opposite_changes_nothing():
+    no_kernels = Abilities(kernels=False, copy_engine=True, capability=(9, 0))
+    assert offload(BIG, no_kernels, opposite="copy_engine") == "copy_engine"
+    assert offload(SMALL, no_kernels, opposite="copy_engine") == "torch"
+    old_gpu = Abilities(kernels=True, copy_engine=True, capability=(8, 0))
+    assert reload(CONVERTING, old_gpu) == "torch"
+    assert reload(CONVERTING, old_gpu, opposite="copy_engine") == "torch"
+
+
+def test_forced_paths_ignore_the_opposite_direction():
+    for setting in ("kernel", "copy_engine", "torch"):
+        assert offload(BIG, setting=setting, opposite="copy_engine") == setting
+        assert reload(BIG, setting=setting, opposite="kernel") == setting
+    assert reload(CONVERTING, setting="staged", opposite="copy_engine") == "staged"
+    # "staged" on a pass-through transfer acts as "auto".
+    assert reload(BIG, setting="staged", opposite="copy_engine") == "kernel"
+
+
+def test_host_cost_against_pcie_time():
+    fmt = PageFormat(1, 8, 128, 128)  # two 256 KiB planes a page: 9.5 us of PCIe
+    piece = fmt.plane_elems * fmt.elem_bytes
+    # One page: one call (10 us) and two pieces (3.6 us) outlast its bytes.
+    assert not copy_engine_keeps_up(fmt, 1, 1, piece)
+    # Eight pages: 10 + 16 x 1.8 = 38.8 us of queueing against 76 us of PCIe.
+    assert copy_engine_keeps_up(fmt, 8, 1, piece)
+    assert offload(fmt, count=1) == "kernel" and offload(fmt, count=8) == "copy_engine"
+    # Below the minimum piece the copy engines are never taken, however long the transfer.
+    assert not copy_engine_keeps_up(fmt, 4096, 1, path_choice.COPY_ENGINE_MIN_PIECE - 1)
+    # A reload calls once per layer: 92 calls for 92 layers of one page cost more than one call.
+    deep = PageFormat(92, 8, 128, 128)
+    assert copy_engine_keeps_up(deep, 4, 1, piece) and not copy_engine_keeps_up(deep, 1, 92, piece)
+
+
+def test_refusals_name_what_is_missing():
+    nothing = Abilities(kernels=False, copy_engine=False, capability=(9, 0))
+    with pytest.raises(RuntimeError, match="NVRTC"):
+        offload(SMALL, nothing, setting="kernel")
+    with pytest.raises(RuntimeError, match="cudaMemcpyBatchAsync"):
+        offload(SMALL, nothing, setting="copy_engine")
+    with pytest.raises(ValueError, match="converts dtypes"):
+        offload(CONVERTING, setting="copy_engine")
+    with pytest.raises(RuntimeError, match="sm_80"):
+        reload(CONVERTING, Abilities(kernels=True, copy_engine=True, capability=(8, 0)), setting="kernel")
+    with pytest.raises(RuntimeError, match="staged"):
+        reload(CONVERTING, Abilities(kernels=False, copy_engine=True, capability=(9, 0)), setting="staged")
