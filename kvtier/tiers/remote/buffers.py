@@ -2,7 +2,8 @@
 
 Owns the checking of the buffers handed to the data path and their flattening into arrays of
 pieces (pointer, length, offset inside the page) that descriptors are built from. It must
-never read or write the memory it describes, beyond handing out views for checksums.
+never read or write the memory it describes, beyond handing out views for checksums and
+copying whole pages to or from staging memory the data path hands it.
 
 A buffer per page is one of: a contiguous CPU tensor of ``page_bytes``; a ``(ptr, nbytes)``
 tuple of host memory; or a list of such tuples or tensors (pieces) whose sizes sum to
@@ -101,6 +102,22 @@ class PageBuffers:
         return np.concatenate(
             [np.arange(self.first[p], self.first[p + 1]) for p in pages]
         ) if len(pages) else np.empty(0, dtype=np.int64)
+
+    def gather(self, page: int, destination: int) -> None:
+        """Copy one page's pieces, in order, to contiguous memory at ``destination``."""
+        lo, hi = int(self.first[page]), int(self.first[page + 1])
+        for ptr, nbytes, offset in zip(
+            self.ptrs[lo:hi].tolist(), self.lens[lo:hi].tolist(), self.offsets[lo:hi].tolist()
+        ):
+            ctypes.memmove(destination + offset, ptr, nbytes)
+
+    def scatter(self, page: int, source: int) -> None:
+        """Copy contiguous memory at ``source`` into one page's pieces, in order."""
+        lo, hi = int(self.first[page]), int(self.first[page + 1])
+        for ptr, nbytes, offset in zip(
+            self.ptrs[lo:hi].tolist(), self.lens[lo:hi].tolist(), self.offsets[lo:hi].tolist()
+        ):
+            ctypes.memmove(ptr, source + offset, nbytes)
 
     def views(self, page: int) -> list[ctypes.Array]:
         """Views of one page's pieces, for checksums."""

@@ -3,8 +3,10 @@
 Owns ``RemoteStore``: the data path (put, get, contains, delete by key or by key id), its
 counters, its threads, and the order of every step that makes a page durable, visible,
 readable or gone. The pieces it drives live beside it: ``index`` (SQLite: which slot holds
-which page), ``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header,
-CRC32C, MAC), ``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
+which page), ``datapath`` (moving a batch's records: requests, checksum pipeline, registered
+blocks, direct I/O routes), ``segments`` (segment files, the OBJ medium, descriptors),
+``records`` (header, CRC32C, MAC), ``nixl`` (the agent and its requests), ``paths``
+(directory safety), ``faults``.
 
 It must never: move page bytes other than through NIXL; return a page whose record header,
 checksum or MAC does not match (a miss, counted, and the page leaves the index); make a page
@@ -125,14 +127,12 @@ import time
 import urllib.parse
 import urllib.request
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Sequence, Union
-
-import numpy as np
+from typing import Iterator, Optional, Sequence, Union
 
 from kvtier.index.keys import KEY_ID_BYTES, key_ids
 from kvtier.tiers.remote import records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
+from kvtier.tiers.remote.datapath import REQUEST_ERRORS, DataPath
 from kvtier.tiers.remote.faults import FaultInjector
 from kvtier.tiers.remote.presence import RECHECK_S as PRESENCE_RECHECK_S
 from kvtier.tiers.remote.index import (
@@ -150,15 +150,13 @@ from kvtier.tiers.remote.paths import (
     open_store_directory,
     prepare_index_files,
 )
-from kvtier.tiers.remote.records import SLOT_ALIGN, RecordCodec, headers_array, new_tokens
-from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects, build_descriptors
+from kvtier.tiers.remote.records import SLOT_ALIGN, RecordCodec, new_tokens
+from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
 CLOSE_GRACE_S = 0.5
-_PARALLEL_CHECKSUM_BYTES = 4 << 20
-_CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 
 Key = Union[str, bytes]
@@ -166,7 +164,7 @@ _COUNTERS = (
     "hits", "misses", "corrupt_reads", "raced_reads", "read_failures", "write_failures",
     "rejected_writes", "evictions", "bytes_written", "bytes_read",
 )
-_REQUEST_ERRORS = (TransferFailed, OSError, KeyError, sqlite3.Error)
+_REQUEST_ERRORS = REQUEST_ERRORS
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -260,6 +258,7 @@ class RemoteStore:
         allow_foreign_owner: bool = False,
         mac_key: Optional[bytes] = None,
         presence_recheck_s: float = PRESENCE_RECHECK_S,
+        direct_io: bool = True,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
@@ -300,7 +299,6 @@ class RemoteStore:
         self.faults = FaultInjector()
         self._ns_fp = records.namespace_fingerprint(namespace)
         self._codec = RecordCodec(self._ns_fp, mac_key)
-        self._checksum_threads = checksum_threads
         records.require_crc32c()
         api = load_nixl_api()
         modes = Modes.for_store(shared_group)
@@ -325,7 +323,8 @@ class RemoteStore:
                 self._medium = SlotObjects(self._engine, object_prefix)
             else:
                 self._medium = SegmentFiles(
-                    self._engine, self.directory, self._dir_fd, modes, self._index.segment
+                    self._engine, self.directory, self._dir_fd, modes, self._index.segment,
+                    direct_io=direct_io,
                 )
             self.capacity_bytes = (
                 capacity_bytes if capacity_bytes is not None else self._default_capacity()
@@ -333,9 +332,10 @@ class RemoteStore:
         except BaseException:
             self._release_resources()
             raise
-        self._checksum_pool = ThreadPoolExecutor(checksum_threads, _CHECKSUM_THREAD_PREFIX)
-        self._host_lock = threading.Lock()
-        self._host_memory: list[tuple[int, int, object]] = []
+        self._path = DataPath(
+            self._engine, self._medium, self._codec, page_bytes, self.slot_stride, pipeline_bytes,
+            checksum_threads,
+        )
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._calls = threading.Condition()
@@ -400,6 +400,7 @@ class RemoteStore:
                 counters = dict(self._counters)
             counters.update(self._index.stats(self._ns_fp))
         counters["capacity_bytes"] = self.capacity_bytes
+        counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
         return counters
 
@@ -457,32 +458,7 @@ class RemoteStore:
             raise
         _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
-        chunks = self._chunks(writable)
-        # The first request's seal has nothing to overlap with: it runs now, split across the
-        # threads; the others queue behind it and overlap the moves.
-        seals = [
-            self._job(self._seal, ([ids[i] for i in chunk], [tokens[i] for i in chunk], pages, chunk),
-                      pipelined=n > 0)
-            for n, chunk in enumerate(chunks)
-        ]
-        crcs: dict[int, int] = {}
-        moved: list[int] = []
-        for chunk, seal in zip(chunks, seals):
-            chunk_crcs, headers = seal.result()
-            try:
-                if self._medium.whole_records:
-                    local, remote, staging = self._medium.stage(located, chunk, pages, chunk, headers)
-                else:
-                    local, remote = build_descriptors(located, chunk, pages, chunk, headers)
-                    staging = None
-                self._move("WRITE", local, remote)
-                del staging  # OBJ records staged contiguously must outlive the transfer
-                self._medium.start_writeback(remote)
-            except _REQUEST_ERRORS as exc:
-                logger.warning("remote put of %d pages failed: %s", len(chunk), exc)
-                continue
-            crcs.update(zip(chunk, chunk_crcs))
-            moved.extend(chunk)
+        moved, crcs = self._path.write(ids, tokens, located, writable, pages)
         try:
             if moved:
                 self._medium.make_durable({slots[i].seg for i in moved})
@@ -528,7 +504,7 @@ class RemoteStore:
         ]
         found = [False] * len(ids)
         failed: list[int] = []
-        checks: list[tuple[list[int], Future]] = []
+        checks: list = []
         if wanted:
             try:
                 located = self._medium.locate(
@@ -543,23 +519,10 @@ class RemoteStore:
                 _log_by_reason("remote get: %d pages unreadable: %s", located.bad)
                 failed.extend(wanted[j] for j in located.bad)
                 readable = [j for j in range(len(wanted)) if j not in located.bad]
-                headers = np.zeros((len(readable), records.HEADER_BYTES), dtype=np.uint8)
-                row = 0
-                chunks = self._chunks(readable)
-                for n, chunk in enumerate(chunks):
-                    sources = [wanted[j] for j in chunk]
-                    block = headers[row : row + len(chunk)]
-                    row += len(chunk)
-                    try:
-                        local, remote = build_descriptors(located, chunk, pages, sources, block)
-                        self._move("READ", local, remote)
-                    except _REQUEST_ERRORS as exc:
-                        logger.warning("remote get of %d pages failed: %s", len(chunk), exc)
-                        failed.extend(sources)
-                        continue
-                    args = (sources, [locations[i] for i in sources], ids, block, pages)
-                    last = n == len(chunks) - 1  # nothing left to overlap: check it now, split
-                    checks.append((sources, self._job(self._check, args, pipelined=not last)))
+                request_failed, checks = self._path.read(
+                    ids, located, wanted, readable, locations, pages
+                )
+                failed.extend(request_failed)
         for sources, check in checks:
             for i, ok in zip(sources, check.result()):
                 found[i] = ok
@@ -594,25 +557,12 @@ class RemoteStore:
         of buffers inside it skip the per-call registration."""
         ptr, nbytes = pointer(buffer)
         with self._call():
-            registration = self._engine.register([(ptr, nbytes, 0, "")], "DRAM")
-            with self._host_lock:
-                self._host_memory.append((ptr, ptr + nbytes, registration))
+            self._path.host.add(ptr, nbytes)
 
     def unregister_host_memory(self, buffer) -> None:
         """Undo ``register_host_memory`` for the same buffer."""
         ptr, nbytes = pointer(buffer)
-        with self._host_lock:
-            for entry in self._host_memory:
-                if entry[:2] == (ptr, ptr + nbytes):
-                    self._host_memory.remove(entry)
-                    break
-            else:
-                raise ValueError(
-                    f"host memory [{ptr:#x}, +{nbytes}) was not registered; registered: "
-                    f"{[(hex(s), e - s) for s, e, _ in self._host_memory]}"
-                )
-        if not self._closed:
-            self._engine.deregister(entry[2])
+        self._path.host.remove(ptr, nbytes, deregister=not self._closed)
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -627,7 +577,7 @@ class RemoteStore:
             while self._in_flight and time.monotonic() < deadline:
                 self._calls.wait(deadline - time.monotonic())
             stuck = self._in_flight
-        self._checksum_pool.shutdown(wait=not stuck)
+        self._path.shutdown(wait=not stuck)
         if stuck:
             logger.error(
                 "remote store %s closed with %d calls still in flight after timeout_s=%s; its "
@@ -636,10 +586,7 @@ class RemoteStore:
             )
             return
         self._index.set_busy_timeout(max(1e-3, deadline - time.monotonic()))
-        with self._host_lock:
-            host, self._host_memory = self._host_memory, []
-        for _, _, registration in host:
-            self._engine.deregister(registration)
+        self._path.close()
         self._release_resources()
 
     def _release_resources(self) -> None:
@@ -682,69 +629,6 @@ class RemoteStore:
             for name, delta in deltas.items():
                 self._counters[name] += delta
 
-    def _chunks(self, items: list[int]) -> list[list[int]]:
-        """Split pages into runs of up to ``pipeline_bytes``, one NIXL request each."""
-        per_request = max(1, self.pipeline_bytes // self.page_bytes)
-        return [items[s : s + per_request] for s in range(0, len(items), per_request)]
-
-    def _job(self, fn: Callable, args: tuple, pipelined: bool) -> Future:
-        """Run ``fn(*args)`` on the checksum threads when another request of the batch can move
-        meanwhile, else now (where it splits its checksum work across the threads)."""
-        if pipelined:
-            return self._checksum_pool.submit(fn, *args)
-        job: Future = Future()
-        job.set_result(fn(*args))
-        return job
-
-    def _parallel(self, fn: Callable[[int], object], count: int) -> list:
-        """``[fn(j) for j in range(count)]``; on a caller thread, large work is split across
-        the checksum threads (crc32c and hashlib release the GIL on large buffers). On a
-        checksum thread it runs there: that is the pipeline."""
-        if (
-            threading.current_thread().name.startswith(_CHECKSUM_THREAD_PREFIX)
-            or count * self.page_bytes < _PARALLEL_CHECKSUM_BYTES
-            or self._checksum_threads == 1
-        ):
-            return [fn(j) for j in range(count)]
-        step = -(-count // self._checksum_threads)
-        parts = [
-            self._checksum_pool.submit(lambda lo: [fn(j) for j in range(lo, min(lo + step, count))], lo)
-            for lo in range(0, count, step)
-        ]
-        return [result for part in parts for result in part.result()]
-
-    def _seal(
-        self, ids: Sequence[bytes], tokens: Sequence[int], pages: PageBuffers, sources: Sequence[int]
-    ) -> tuple[list[int], np.ndarray]:
-        """CRC32C and record headers of pages about to be written."""
-        sealed = self._parallel(
-            lambda j: self._codec.seal(ids[j], self.page_bytes, tokens[j], pages.views(sources[j])),
-            len(ids),
-        )
-        return [crc for crc, _ in sealed], headers_array([header for _, header in sealed])
-
-    def _check(
-        self,
-        sources: Sequence[int],
-        locations: Sequence[PageLocation],
-        ids: Sequence[bytes],
-        headers: np.ndarray,
-        pages: PageBuffers,
-    ) -> list[bool]:
-        """Whether each page just read has the record header, CRC32C (and MAC) the index
-        promises."""
-        got = headers.tobytes()
-        step = records.HEADER_BYTES
-
-        def verify(j: int) -> bool:
-            loc = locations[j]
-            return self._codec.verify(
-                ids[sources[j]], self.page_bytes, loc.token, loc.crc,
-                got[j * step : (j + 1) * step], pages.views(sources[j]),
-            )
-
-        return self._parallel(verify, len(sources))
-
     def _unpublish_failed(
         self, unreadable: list[tuple[bytes, PageLocation]], bad: list[tuple[bytes, PageLocation]]
     ) -> None:
@@ -769,37 +653,6 @@ class RemoteStore:
         self._count(
             read_failures=len(unreadable), corrupt_reads=corrupt, raced_reads=len(bad) - corrupt
         )
-
-    def _move(self, op: str, local: np.ndarray, remote: np.ndarray) -> None:
-        """One NIXL request; registers the local ranges not covered by host registrations for
-        its duration. Descriptors go in file order so the backend sees sequential I/O."""
-        order = np.lexsort((remote[:, 0], remote[:, 2]))
-        local, remote = local[order], remote[order]
-        registration = self._register_local(local)
-        try:
-            self._engine.transfer(op, local, remote, self._medium.mem_type)
-        finally:
-            if registration is not None:
-                self._engine.deregister(registration)
-
-    def _register_local(self, local: np.ndarray):
-        starts = local[:, 0]
-        ends = starts + local[:, 1]
-        order = np.argsort(starts, kind="stable")
-        merged: list[list[int]] = []
-        for start, end in zip(starts[order].tolist(), ends[order].tolist()):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        with self._host_lock:
-            covered = [(s, e) for s, e, _ in self._host_memory]
-        rows = [
-            (start, end - start, 0, "")
-            for start, end in merged
-            if not any(s <= start and end <= e for s, e in covered)
-        ]
-        return self._engine.register(rows, "DRAM") if rows else None
 
     def _release_quietly(self, slots: Sequence[SlotRef]) -> None:
         if not slots:
