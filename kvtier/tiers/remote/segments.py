@@ -28,7 +28,8 @@ with NIXL once), unless the file system refuses ``O_DIRECT`` or keeps its files 
 per store (``direct_io_refusal``), logged once and reported by ``RemoteStore.stats()``.
 Payload descriptors whose memory address, length and file offset are all multiples of
 ``SLOT_ALIGN`` go to the ``O_DIRECT`` descriptor, everything else (record headers of 64 bytes,
-unaligned pieces) to the buffered one: no 4 KiB block is ever reached through both, and the
+unaligned pieces; the data path stages pages with unaligned pieces, so with direct I/O on
+that is the headers) to the buffered one: no 4 KiB block is reached through both, and the
 kernel keeps the two coherent for distinct blocks (a direct read writes back dirty cached
 pages of its range first, a direct write invalidates them). ``fdatasync`` of either descriptor
 makes the whole file durable.
