@@ -26,7 +26,9 @@ ValueError naming it and its position with nothing changed. The id methods (``co
 hashing. ``"abc"`` and ``b"abc"`` are two keys and two pages.
 
 Buffers: per key, a contiguous CPU tensor or ``(ptr, nbytes)`` tuple of ``page_bytes``, or a
-list of ``(ptr, nbytes)`` pieces summing to ``page_bytes`` (scatter/gather: the pieces are one
+list of ``(ptr, nbytes)`` pieces summing to ``page_bytes``; or, for the whole batch, one
+``buffers.PageBuffers`` (``PageBuffers.from_arrays``: pieces as arrays, no Python work per
+piece) (scatter/gather: the pieces are one
 record, one checksum, one slot; NIXL pairs several local descriptors with consecutive ranges
 of the record). A page is visible only once all its pieces are durable, since its pieces always
 travel in one NIXL request.
@@ -418,7 +420,7 @@ class RemoteStore:
         pages it carried (``write_failures``); pages beyond what the capacity can hold even
         after eviction are False (``rejected_writes``)."""
         ids = check_ids(ids)
-        pages = PageBuffers(buffers, len(ids), self.page_bytes)
+        pages = self._pages(buffers, len(ids))
         if not ids:
             return []
         with self._call():
@@ -477,31 +479,35 @@ class RemoteStore:
         self._count(write_failures=len(slots) - written, bytes_written=written * self.page_bytes)
         return published
 
-    def get(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[bool]:
+    def get(self, keys: Sequence[Key], buffers: Sequence[Buffer], prefix: bool = False) -> list[bool]:
         """``get_ids`` by keys."""
-        return self.get_ids(key_ids(keys), buffers)
+        return self.get_ids(key_ids(keys), buffers, prefix=prefix)
 
-    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer], prefix: bool = False) -> list[bool]:
         """Fill buffers with pages; True where the page was found and verified.
 
         The batch moves in NIXL requests of up to ``pipeline_bytes``; the checksum threads check
         a request's pages (CRC32C, record headers, MAC) while the next one moves. A page that is
         absent, of another size, unreadable, fails its check, or was carried by a failed
         request is a miss (and leaves the index unless a writer replaced it meanwhile); its
-        buffer content is then unspecified."""
+        buffer content is then unspecified. With ``prefix``, the pages after the first one the
+        index does not hold are not read (misses): an engine that keeps only a leading run of
+        hits (SGLang) would discard them."""
         ids = check_ids(ids)
-        pages = PageBuffers(buffers, len(ids), self.page_bytes)
+        pages = self._pages(buffers, len(ids))
         if not ids:
             return []
         with self._call():
-            return self._get(ids, pages)
+            return self._get(ids, pages, prefix)
 
-    def _get(self, ids: list[bytes], pages: PageBuffers) -> list[bool]:
+    def _get(self, ids: list[bytes], pages: PageBuffers, prefix: bool) -> list[bool]:
         locations = self._index.lookup(self._ns_fp, ids)
-        wanted = [
-            i for i, loc in enumerate(locations)
-            if loc is not None and loc.length == self.page_bytes
-        ]
+        wanted = []
+        for i, loc in enumerate(locations):
+            if loc is not None and loc.length == self.page_bytes:
+                wanted.append(i)
+            elif prefix:
+                break
         found = [False] * len(ids)
         failed: list[int] = []
         checks: list = []
@@ -623,6 +629,16 @@ class RemoteStore:
             with self._calls:
                 self._in_flight -= 1
                 self._calls.notify_all()
+
+    def _pages(self, buffers: Union[Sequence[Buffer], PageBuffers], count: int) -> PageBuffers:
+        if not isinstance(buffers, PageBuffers):
+            return PageBuffers(buffers, count, self.page_bytes)
+        if (buffers.count, buffers.page_bytes) != (count, self.page_bytes):
+            raise ValueError(
+                f"PageBuffers of {buffers.count} pages of {buffers.page_bytes} bytes for {count} ids; "
+                f"expected {count} pages of page_bytes={self.page_bytes}"
+            )
+        return buffers
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
