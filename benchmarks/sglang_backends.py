@@ -19,7 +19,8 @@ the machine is shared), then a warm read. Reads go into other host pages poisone
 are compared with the written bytes; a wrong byte stops the run. Backends run interleaved
 (the order rotates per run); medians over ``--runs``. "set+fsync" adds, for ``file`` and
 ``nixl`` (which do not sync), an ``fsync`` of every file the write created; kvtier syncs inside
-its write. CPU time is ``time.process_time`` (all threads of the process).
+its write. CPU time is ``time.process_time`` (all threads of the process); torch runs one
+intra-op thread, as OpenMP workers spinning between SGLang's copies would count as CPU.
 
     PYTHONPATH=. build/sglang-harness/venv/bin/python benchmarks/sglang_backends.py [--quick]
 
@@ -49,7 +50,8 @@ from queue import Queue
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a source checkout too
+# A source checkout's kvtier unless PYTHONPATH names another (an A/B against an older tree).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 
 def _alias_nixl() -> None:
@@ -286,6 +288,7 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("sglang").setLevel(logging.ERROR)
     logging.getLogger("nixl").setLevel(logging.ERROR)
