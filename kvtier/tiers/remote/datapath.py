@@ -207,7 +207,7 @@ class DataPath:
                     located, chunk, pages, sources, header_ptr,
                     (staging[1], self.slot_stride) if staging else None,
                 )
-                self._move("READ", local, remote)
+                self._move("READ", local, remote, headers=len(chunk))
             except BaseException as exc:
                 self._headers.give(header_block)
                 if staging:
@@ -279,7 +279,7 @@ class DataPath:
                         (staging[1], self.slot_stride) if staging else None,
                     )
                     record_staging = None
-                self._move("WRITE", local, remote)
+                self._move("WRITE", local, remote, headers=0 if record_staging is not None else len(chunk))
                 del record_staging  # OBJ records staged contiguously must outlive the transfer
                 self._medium.start_writeback(remote)
             except REQUEST_ERRORS as exc:
@@ -314,11 +314,17 @@ class DataPath:
         return [crc for crc, _ in sealed], header_block, header_ptr, staging
 
     # ----------------------------------------------------------------- requests
-    def _move(self, op: str, local: np.ndarray, remote: np.ndarray) -> None:
+    def _move(self, op: str, local: np.ndarray, remote: np.ndarray, headers: int = 0) -> None:
         """One NIXL request; registers the local ranges no host region covers for its
-        duration. Descriptors go in file order so the backend sees sequential I/O."""
+        duration. Descriptors go in file order so the backend sees sequential I/O, payloads
+        before the last ``headers`` rows (record headers, through the buffered descriptor,
+        whose read can hold up the submission it is part of)."""
         if len(remote) > 2:
-            order = np.lexsort((remote[:, 0], remote[:, 2]))
+            split = len(remote) - headers
+            order = np.concatenate([
+                np.lexsort((remote[:split, 0], remote[:split, 2])),
+                split + np.lexsort((remote[split:, 0], remote[split:, 2])),
+            ])
             local, remote = local[order], remote[order]
         registration = self.host.register_uncovered(local)
         try:
