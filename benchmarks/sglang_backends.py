@@ -113,7 +113,7 @@ def record_format(dtype: torch.dtype, layers: int) -> None:
     record_kv_format("target", model, dtype)
 
 
-def host_pool(dtype: torch.dtype, layout: str, layers: int, pages: int):
+def host_pool(dtype: torch.dtype, layout: str, layers: int, pages: int, pin_memory: bool):
     with host_memory_budget_scope(1 << 40):
         device = MHATokenToKVPool(
             size=pages * PAGE, page_size=PAGE, dtype=dtype, head_num=8, head_dim=128,
@@ -121,7 +121,7 @@ def host_pool(dtype: torch.dtype, layout: str, layers: int, pages: int):
         )
         info = device.get_device_pool_infos()[0].buffer_info
         pool = get_mha_host_pool_cls(info)(
-            info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+            info, 1.0, 0, PAGE, layout, pin_memory=pin_memory, device="cpu",
             device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
         )
     del device
@@ -287,6 +287,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--pin-memory", action="store_true",
+                        help="pinned (page-aligned) host pool, as SGLang allocates with CUDA; needs CUDA")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -307,7 +309,7 @@ def main() -> None:
     try:
         for dtype, layout, layers, batches in cells:
             record_format(DTYPES[dtype], layers)
-            pool = host_pool(DTYPES[dtype], layout, layers, 2 * max(batches) + 1)
+            pool = host_pool(DTYPES[dtype], layout, layers, 2 * max(batches) + 1, args.pin_memory)
             page_bytes = sum(int(s) for s in pool.get_page_buffer_meta(torch.arange(PAGE))[1])
             model = f"bench-{dtype}-{layout}-{layers}"
             ctrls = {}
@@ -348,6 +350,7 @@ def main() -> None:
         "versions": {p: _version(p) for p in ("sglang", "torch", "nixl-cu13", "kvtier")},
         "kvtier_path": str(Path(kvtier.__file__).parent),
         "quick": args.quick,
+        "pin_memory": args.pin_memory,
         "rows": rows,
     }
     out = Path(args.json) if args.json else (
