@@ -10,7 +10,8 @@ copying calls for ``file``, as ``attach_storage_backend`` does. Backends: ``kvti
 default; SGLang imports NIXL as ``nixl``, the nixl-cu13 wheel installs ``nixl_cu13``: this
 script aliases the module for SGLang, kvtier imports ``nixl_cu13`` itself), and ``raw``: one
 O_DIRECT file of the same bytes written with ``pwritev`` + ``fsync`` and read with ``preadv``
-in 8 MiB calls into aligned memory (the disk's speed through the plainest path).
+in 8 MiB calls into aligned memory from 4 threads (the disk through a plain path, 4 requests
+queued).
 
 Per cell (page format, layout, batch of pages): every backend writes the same random pages
 under fresh keys, then "exists", then a cold read (``posix_fadvise(DONTNEED)`` on every file of
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from queue import Queue
 
 import numpy as np
@@ -96,6 +98,7 @@ KVTIER_EXTRA = {
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 POISON = 0xA5
 RAW_CHUNK = 8 << 20
+RAW_THREADS = 4
 
 
 def record_format(dtype: torch.dtype, layers: int) -> None:
@@ -210,19 +213,30 @@ def timed(fn) -> tuple[float, float, object]:
 
 
 class Raw:
-    """The disk through the plainest path: one O_DIRECT file, 8 MiB pwritev/preadv calls."""
+    """The disk through a plain path: one O_DIRECT file, 8 MiB ``pwritev``/``preadv`` calls
+    from ``RAW_THREADS`` threads at once (that many requests queued at the device), one fsync."""
 
     def __init__(self, path: str, nbytes: int):
         self.path = os.path.join(path, "raw.bin")
         self.nbytes = nbytes
-        self.buffer = mmap.mmap(-1, RAW_CHUNK)  # page aligned
-        self.buffer.write(os.urandom(RAW_CHUNK))
+        self.buffers = [mmap.mmap(-1, RAW_CHUNK) for _ in range(RAW_THREADS)]  # page aligned
+        for buffer in self.buffers:
+            buffer.write(os.urandom(RAW_CHUNK))
+        self.offsets = list(range(0, nbytes, RAW_CHUNK))
+
+    def _each(self, fd: int, call) -> None:
+        def run(lane: int) -> None:
+            view = memoryview(self.buffers[lane])
+            for off in self.offsets[lane::RAW_THREADS]:
+                call(fd, [view[: min(RAW_CHUNK, self.nbytes - off)]], off)
+
+        with ThreadPoolExecutor(RAW_THREADS) as pool:
+            list(pool.map(run, range(RAW_THREADS)))
 
     def write(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            for off in range(0, self.nbytes, RAW_CHUNK):
-                os.pwritev(fd, [memoryview(self.buffer)[: min(RAW_CHUNK, self.nbytes - off)]], off)
+            self._each(fd, os.pwritev)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -230,8 +244,7 @@ class Raw:
     def read(self) -> None:
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         try:
-            for off in range(0, self.nbytes, RAW_CHUNK):
-                os.preadv(fd, [memoryview(self.buffer)[: min(RAW_CHUNK, self.nbytes - off)]], off)
+            self._each(fd, os.preadv)
         finally:
             os.close(fd)
 

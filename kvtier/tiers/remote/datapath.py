@@ -20,6 +20,12 @@ write copies then checksums the copy it writes; a read checks the staged record 
 only verified bytes. (SGLang's NIXL backend does the same: zero-copy when the host pool is
 page aligned, bounce buffers otherwise.) Headers (64 bytes) always use the buffered
 descriptor.
+
+Requests in flight: buffered requests run one at a time (Linux AIO copies buffered reads and
+writes inside the call that posts them). ``O_DIRECT`` requests queue only their own reads at
+the device, so up to ``DIRECT_REQUESTS_IN_FLIGHT`` are posted before the oldest is waited
+for; a request's pages are checked while the later ones move. Every posted request is waited
+for before a call returns, errors included.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import mmap
 import sqlite3
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
@@ -44,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 PARALLEL_CHECKSUM_BYTES = 4 << 20
 CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
+# Requests in flight at once with O_DIRECT (each keeps only its own reads queued at the device;
+# buffered requests do their copies when posted, so one at a time).
+DIRECT_REQUESTS_IN_FLIGHT = 4
 # What fails one request (its pages), not the call.
 REQUEST_ERRORS = (TransferFailed, OSError, KeyError, sqlite3.Error)
 
@@ -149,6 +159,21 @@ def _address(block: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(block))
 
 
+class _InFlight:
+    """A posted request and what it holds until it is finished."""
+
+    __slots__ = ("request", "header_block", "staging", "pages", "crcs", "remote", "record_staging")
+
+    def __init__(self, request, header_block, staging, pages, crcs=None, remote=None, record_staging=None):
+        self.request = request
+        self.header_block = header_block
+        self.staging = staging
+        self.pages = pages
+        self.crcs = crcs
+        self.remote = remote
+        self.record_staging = record_staging
+
+
 class DataPath:
     """Moves batches of records for one store (see the module docstring). Thread-safe."""
 
@@ -173,6 +198,7 @@ class DataPath:
         self.host = HostRegions(engine)
         self._headers = Blocks(self.host, -(-self.per_request * HEADER_BYTES // SLOT_ALIGN) * SLOT_ALIGN)
         self._staging = Blocks(self.host, self.per_request * slot_stride)
+        self.window = DIRECT_REQUESTS_IN_FLIGHT if medium.direct_io else 1
 
     @property
     def direct_io(self) -> bool:
@@ -197,30 +223,47 @@ class DataPath:
         failed: list[int] = []
         checks: list[tuple[list[int], Future]] = []
         staged = self._staged(pages)
-        chunks = self._chunks(readable)
-        for n, chunk in enumerate(chunks):
-            sources = [wanted[j] for j in chunk]
-            header_block, header_ptr = self._headers.take()
-            staging = self._staging.take() if staged else None
-            try:
-                local, remote = build_descriptors(
-                    located, chunk, pages, sources, header_ptr,
-                    (staging[1], self.slot_stride) if staging else None,
-                )
-                self._move("READ", local, remote, headers=len(chunk))
-            except BaseException as exc:
-                self._headers.give(header_block)
-                if staging:
-                    self._staging.give(staging[0])
-                if not isinstance(exc, REQUEST_ERRORS):
-                    raise
-                logger.warning("remote get of %d pages failed: %s", len(chunk), exc)
-                failed.extend(sources)
-                continue
-            args = (sources, [expected[i] for i in sources], ids, header_block, staging, pages)
-            last = n == len(chunks) - 1  # nothing left to overlap: check it now, split
-            checks.append((sources, self._job(self._check, args, pipelined=not last)))
+        inflight: deque = deque()
+        try:
+            for chunk in self._chunks(readable):
+                sources = [wanted[j] for j in chunk]
+                header_block, header_ptr = self._headers.take()
+                staging = self._staging.take() if staged else None
+                try:
+                    local, remote = build_descriptors(
+                        located, chunk, pages, sources, header_ptr,
+                        (staging[1], self.slot_stride) if staging else None,
+                    )
+                    request = self._post("READ", local, remote, headers=len(chunk))
+                except BaseException as exc:
+                    self._give(header_block, staging)
+                    if not isinstance(exc, REQUEST_ERRORS):
+                        raise
+                    logger.warning("remote get of %d pages failed: %s", len(chunk), exc)
+                    failed.extend(sources)
+                    continue
+                inflight.append(_InFlight(request, header_block, staging, sources))
+                if len(inflight) >= self.window:
+                    self._finish_read(inflight.popleft(), ids, expected, pages, failed, checks, last=False)
+            while inflight:
+                entry = inflight.popleft()
+                # the last request has nothing left to overlap: check it now, split
+                self._finish_read(entry, ids, expected, pages, failed, checks, last=not inflight)
+        finally:
+            self._drain(inflight)
         return failed, checks
+
+    def _finish_read(self, entry: "_InFlight", ids, expected, pages, failed, checks, last: bool) -> None:
+        try:
+            self._finish(entry.request)
+        except REQUEST_ERRORS as exc:
+            self._give(entry.header_block, entry.staging)
+            logger.warning("remote get of %d pages failed: %s", len(entry.pages), exc)
+            failed.extend(entry.pages)
+            return
+        sources = entry.pages
+        args = (sources, [expected[i] for i in sources], ids, entry.header_block, entry.staging, pages)
+        checks.append((sources, self._job(self._check, args, pipelined=not last)))
 
     def _check(self, sources, locations, ids, header_block, staging, pages: PageBuffers) -> list[bool]:
         """Whether each page just read has the record header, CRC32C (and MAC) the index
@@ -244,9 +287,7 @@ class DataPath:
 
             return self._parallel(verify, len(sources))
         finally:
-            self._headers.give(header_block)
-            if staging:
-                self._staging.give(staging[0])
+            self._give(header_block, staging)
 
     # ----------------------------------------------------------------- writes
     def write(
@@ -265,33 +306,51 @@ class DataPath:
         ]
         crcs: dict[int, int] = {}
         moved: list[int] = []
-        for chunk, seal in zip(chunks, seals):
-            chunk_crcs, header_block, header_ptr, staging = seal.result()
-            try:
-                if self._medium.whole_records:
-                    headers = np.frombuffer(header_block, dtype=np.uint8, count=len(chunk) * HEADER_BYTES)
-                    local, remote, record_staging = self._medium.stage(
-                        located, chunk, pages, chunk, headers.reshape(len(chunk), HEADER_BYTES)
-                    )
-                else:
-                    local, remote = build_descriptors(
-                        located, chunk, pages, chunk, header_ptr,
-                        (staging[1], self.slot_stride) if staging else None,
-                    )
-                    record_staging = None
-                self._move("WRITE", local, remote, headers=0 if record_staging is not None else len(chunk))
-                del record_staging  # OBJ records staged contiguously must outlive the transfer
-                self._medium.start_writeback(remote)
-            except REQUEST_ERRORS as exc:
-                logger.warning("remote put of %d pages failed: %s", len(chunk), exc)
-                continue
-            finally:
-                self._headers.give(header_block)
-                if staging:
-                    self._staging.give(staging[0])
-            crcs.update(zip(chunk, chunk_crcs))
-            moved.extend(chunk)
+        inflight: deque = deque()
+        try:
+            for chunk, seal in zip(chunks, seals):
+                chunk_crcs, header_block, header_ptr, staging = seal.result()
+                try:
+                    if self._medium.whole_records:
+                        headers = np.frombuffer(header_block, dtype=np.uint8, count=len(chunk) * HEADER_BYTES)
+                        local, remote, record_staging = self._medium.stage(
+                            located, chunk, pages, chunk, headers.reshape(len(chunk), HEADER_BYTES)
+                        )
+                        header_rows = 0
+                    else:
+                        local, remote = build_descriptors(
+                            located, chunk, pages, chunk, header_ptr,
+                            (staging[1], self.slot_stride) if staging else None,
+                        )
+                        record_staging, header_rows = None, len(chunk)
+                    request = self._post("WRITE", local, remote, headers=header_rows)
+                except BaseException as exc:
+                    self._give(header_block, staging)
+                    if not isinstance(exc, REQUEST_ERRORS):
+                        raise
+                    logger.warning("remote put of %d pages failed: %s", len(chunk), exc)
+                    continue
+                # OBJ records staged contiguously must outlive the transfer: kept with it
+                inflight.append(_InFlight(request, header_block, staging, chunk, chunk_crcs, remote, record_staging))
+                if len(inflight) >= self.window:
+                    self._finish_write(inflight.popleft(), moved, crcs)
+            while inflight:
+                self._finish_write(inflight.popleft(), moved, crcs)
+        finally:
+            self._drain(inflight)
         return moved, crcs
+
+    def _finish_write(self, entry: "_InFlight", moved: list[int], crcs: dict[int, int]) -> None:
+        try:
+            self._finish(entry.request)
+            self._medium.start_writeback(entry.remote)
+        except REQUEST_ERRORS as exc:
+            logger.warning("remote put of %d pages failed: %s", len(entry.pages), exc)
+            return
+        finally:
+            self._give(entry.header_block, entry.staging)
+        crcs.update(zip(entry.pages, entry.crcs))
+        moved.extend(entry.pages)
 
     def _seal(self, ids, tokens, pages: PageBuffers, chunk: list[int], staged: bool):
         """CRC32C and record headers of pages about to be written, headers into a registered
@@ -314,9 +373,9 @@ class DataPath:
         return [crc for crc, _ in sealed], header_block, header_ptr, staging
 
     # ----------------------------------------------------------------- requests
-    def _move(self, op: str, local: np.ndarray, remote: np.ndarray, headers: int = 0) -> None:
-        """One NIXL request; registers the local ranges no host region covers for its
-        duration. Descriptors go in file order so the backend sees sequential I/O, payloads
+    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, headers: int) -> tuple:
+        """Start one NIXL request; registers the local ranges no host region covers until it
+        is finished. Descriptors go in file order so the backend sees sequential I/O, payloads
         before the last ``headers`` rows (record headers, through the buffered descriptor,
         whose read can hold up the submission it is part of)."""
         if len(remote) > 2:
@@ -328,10 +387,36 @@ class DataPath:
             local, remote = local[order], remote[order]
         registration = self.host.register_uncovered(local)
         try:
-            self._engine.transfer(op, local, remote, self._medium.mem_type)
+            return self._engine.post(op, local, remote, self._medium.mem_type), registration
+        except BaseException:
+            if registration is not None:
+                self._engine.deregister(registration)
+            raise
+
+    def _finish(self, request: tuple) -> None:
+        posted, registration = request
+        try:
+            self._engine.wait(posted)
         finally:
             if registration is not None:
                 self._engine.deregister(registration)
+
+    def _drain(self, inflight: deque) -> None:
+        """After an unexpected error: wait for the requests still posted (the backend may write
+        their memory until then) and give their blocks back."""
+        while inflight:
+            entry = inflight.popleft()
+            try:
+                self._finish(entry.request)
+            except Exception as exc:
+                logger.warning("remote request abandoned after an error: %r", exc)
+            finally:
+                self._give(entry.header_block, entry.staging)
+
+    def _give(self, header_block, staging) -> None:
+        self._headers.give(header_block)
+        if staging:
+            self._staging.give(staging[0])
 
     def _chunks(self, items: list[int]) -> list[list[int]]:
         """Split pages into runs of up to ``pipeline_bytes``, one NIXL request each."""

@@ -35,10 +35,9 @@ travel in one NIXL request.
 
 Data path and measured choices (2 vCPU VM, virtio disk of about 1.5 GB/s write and 1.9 GB/s
 read; ``benchmarks/remote_bandwidth.py``):
-- A batch moves in NIXL requests of up to ``pipeline_bytes`` (default 8 MiB buffered, 32 MiB
-  with direct I/O: an ``O_DIRECT`` request keeps only its own reads in flight, so a larger one
-  keeps the device busier; 8 MiB read 64 cold 2 MiB pages at 0.18-0.32 GB/s and 32 MiB at
-  0.31-0.47 GB/s on a loaded disk here, 2026-12-03), never one per page:
+- A batch moves in NIXL requests of up to ``pipeline_bytes`` (default 8 MiB), never one per
+  page; with direct I/O up to four requests are in flight at once (``datapath``: an
+  ``O_DIRECT`` request keeps only its own reads queued at the device):
   the checksum threads seal request k+1 (CRC32C, headers) while request k moves, and check
   request k while k+1 moves. The crc32c package (CPU CRC instructions) runs at about 15 GB/s a
   core and releases the GIL, and so does NIXL while it moves bytes. One request per 64 MiB batch
@@ -162,8 +161,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
 CLOSE_GRACE_S = 0.5
-BUFFERED_PIPELINE_BYTES = 8 << 20
-DIRECT_PIPELINE_BYTES = 32 << 20
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 
 Key = Union[str, bytes]
@@ -236,8 +233,7 @@ class RemoteStore:
     ``timeout_s`` per NIXL request (``set_timeout`` changes it later); ``segment_bytes`` per
     segment file; ``reuse_delay_s`` before a freed slot is rewritten; ``reservation_lease_s``
     after which another host's unpublished reservation is reclaimed; ``checksum_threads``
-    (default ``min(4, cpus)``); ``pipeline_bytes`` per NIXL request (None: 8 MiB buffered,
-    32 MiB with direct I/O); ``direct_io``: segment I/O with ``O_DIRECT`` where the file system
+    (default ``min(4, cpus)``); ``pipeline_bytes`` per NIXL request; ``direct_io``: segment I/O with ``O_DIRECT`` where the file system
     allows it (see ``segments``); ``backend_params`` passed to
     the NIXL backend; ``object_prefix`` names objects for ``backend="OBJ"``;
     ``presence_recheck_s``: ``contains`` answers keys it found published from memory while no
@@ -264,7 +260,7 @@ class RemoteStore:
         reservation_lease_s: float = 600.0,
         object_prefix: str = "kvtier/",
         checksum_threads: Optional[int] = None,
-        pipeline_bytes: Optional[int] = None,
+        pipeline_bytes: int = 8 << 20,
         shared_group: bool = False,
         allow_foreign_owner: bool = False,
         mac_key: Optional[bytes] = None,
@@ -289,8 +285,8 @@ class RemoteStore:
             checksum_threads = min(4, os.cpu_count() or 1)
         if checksum_threads < 1:
             raise ValueError(f"checksum_threads {checksum_threads!r}; expected >= 1")
-        if pipeline_bytes is not None and pipeline_bytes <= 0:
-            raise ValueError(f"pipeline_bytes {pipeline_bytes!r}; expected None or > 0")
+        if pipeline_bytes <= 0:
+            raise ValueError(f"pipeline_bytes {pipeline_bytes!r}; expected > 0")
         if isinstance(presence_recheck_s, bool) or not isinstance(presence_recheck_s, (int, float)) or not (
                 presence_recheck_s >= 0):
             raise ValueError(f"presence_recheck_s {presence_recheck_s!r}; expected a number >= 0")
@@ -342,8 +338,6 @@ class RemoteStore:
         except BaseException:
             self._release_resources()
             raise
-        if pipeline_bytes is None:
-            pipeline_bytes = DIRECT_PIPELINE_BYTES if self._medium.direct_io else BUFFERED_PIPELINE_BYTES
         self.pipeline_bytes = pipeline_bytes
         self._path = DataPath(
             self._engine, self._medium, self._codec, page_bytes, self.slot_stride, pipeline_bytes,
