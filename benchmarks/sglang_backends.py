@@ -13,7 +13,8 @@ O_DIRECT file of the same bytes written with ``pwritev`` + ``fsync`` and read wi
 in 8 MiB calls into aligned memory from 4 threads (the disk through a plain path, 4 requests
 queued).
 
-Per cell (page format, layout, batch of pages): every backend writes the same random pages
+Each backend first writes and reads one page untimed (what it sets up once belongs to no
+cell). Per cell (page format, layout, batch of pages): every backend writes the same random pages
 under fresh keys, then "exists", then a cold read (``posix_fadvise(DONTNEED)`` on every file of
 the backend's directory first: records are clean after the write's fsync; no global cache drop,
 the machine is shared), then a warm read. Reads go into other host pages poisoned with 0xA5 and
@@ -330,6 +331,14 @@ def main() -> None:
                 path = str(base / f"{model}-{name}")
                 os.makedirs(path, exist_ok=True)
                 ctrls[name] = (controller(name, path, pool, layout, model) if name != "raw" else None, path)
+            # One untimed page per backend first: files, registrations and threads that a
+            # backend makes once belong to no cell.
+            src, dst = page_views(pool, 0, 1), page_views(pool, 1, 1)
+            fill(src, rng)
+            for name in backends:
+                ctrl, path = ctrls[name]
+                raw = Raw(path, page_bytes) if name == "raw" else None
+                run_cell(name, ctrl, raw, pool, 1, rng.integers(1, 1 << 30, size=PAGE).tolist(), src, dst, path)
             for batch in batches:
                 src, dst = page_views(pool, 0, batch), page_views(pool, batch, batch)
                 fill(src, rng)
