@@ -54,6 +54,7 @@ CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
 # Requests in flight at once with O_DIRECT (each keeps only its own reads queued at the device;
 # buffered requests do their copies when posted, so one at a time).
 DIRECT_REQUESTS_IN_FLIGHT = 4
+_SMALL_REQUEST_ROWS = 8
 # What fails one request (its pages), not the call.
 REQUEST_ERRORS = (TransferFailed, OSError, KeyError, sqlite3.Error)
 
@@ -97,6 +98,15 @@ class HostRegions:
     def register_uncovered(self, local: np.ndarray):
         """Register, for one request, the local ranges no region covers (None if all are)."""
         starts, ends = self._starts, self._ends
+        if len(local) <= _SMALL_REQUEST_ROWS:  # a small call: plain Python beats array setup
+            regions = list(zip(starts.tolist(), ends.tolist()))
+            rows = [
+                (start, start + length) for start, length in local[:, :2].tolist()
+                if not any(s <= start and start + length <= e for s, e in regions)
+            ]
+            if not rows:
+                return None
+            return self._engine.register([(s, e - s, 0, "") for s, e in sorted(rows)], "DRAM")
         lo = local[:, 0]
         hi = lo + local[:, 1]
         if len(starts):
