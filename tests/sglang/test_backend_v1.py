@@ -127,7 +127,8 @@ def test_batch_exists_counts_leading_hits(tmp_path, gen):
     assert backend.batch_exists(keys[4:5]) == 1
     assert backend.exists(keys[4]) and not backend.exists(keys[5])
     assert backend.batch_exists([]) == 0
-    assert backend.batch_get_v1(keys, pool.alloc(6 * PAGE)) == [i in stored for i in range(6)]
+    # SGLang keeps only the leading hits of a read, so the page after the gap is not read.
+    assert backend.batch_get_v1(keys, pool.alloc(6 * PAGE)) == [True, True, True, False, False, False]
     backend.close()
 
 

@@ -65,6 +65,7 @@ from kvtier.adapters.sglang.namespace import pool_namespace, resolve_kv_format
 from kvtier.adapters.sglang.settings import BackendSettings
 from kvtier.index.keys import key_ids
 from kvtier.tiers.remote import RemoteStore
+from kvtier.tiers.remote.buffers import PageBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,26 @@ class _Lane:
 
     def page_buffers(self, host_indices: torch.Tensor, pages: int) -> list:
         """Per page, its pieces as ``(ptr, nbytes)``; a single piece is a tuple, several a list.
+        Checked as ``page_table``."""
+        ptrs, sizes = self._pieces(host_indices, pages)
+        per_page = len(self.piece_sizes)
+        if per_page == 1:
+            return [(p, self.page_bytes) for p in ptrs]
+        pieces = list(zip(ptrs, sizes))
+        return [pieces[i * per_page : (i + 1) * per_page] for i in range(pages)]
+
+    def page_table(self, host_indices: torch.Tensor, pages: int) -> PageBuffers:
+        """The same pieces as one ``PageBuffers``, built from arrays (no Python work per piece).
 
         Raises ValueError when the indices or the pool's answer do not describe ``pages`` pages
         of this lane's pieces inside the pool's memory: a pointer outside it would let NIXL read
         or write memory that is not a page."""
+        ptrs, sizes = self._pieces(host_indices, pages)
+        return PageBuffers.from_arrays(
+            np.asarray(ptrs, dtype=np.uint64), np.asarray(sizes, dtype=np.uint64), pages, self.page_bytes
+        )
+
+    def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple[list, list]:
         if host_indices.numel() != pages * self.indices_per_page:
             raise ValueError(
                 f"{self.name}: {host_indices.numel()} host indices for {pages} pages; expected "
@@ -160,10 +177,7 @@ class _Lane:
                 f"{self.name}: piece {bad} at {ptrs[bad]:#x} (+{sizes[bad]}) lies outside the host "
                 f"pool's memory {[(hex(s), int(e - s)) for s, e in zip(self._starts, self._ends)]}"
             )
-        if per_page == 1:
-            return [(p, self.page_bytes) for p in ptrs]
-        pieces = list(zip(ptrs, sizes))
-        return [pieces[i * per_page : (i + 1) * per_page] for i in range(pages)]
+        return ptrs, sizes
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
@@ -277,8 +291,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        """Read pages into the KV host pool at ``host_indices``; True per page read and verified."""
-        return self._read(self._anchor, str(PoolName.KV), keys, host_indices)
+        """Read pages into the KV host pool at ``host_indices``; True per page read and verified.
+        SGLang keeps only the pages before the first miss (``_page_get_zero_copy``), so pages
+        after a gap in the store are not read."""
+        return self._read(self._anchor, str(PoolName.KV), keys, host_indices, prefix=True)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -420,7 +436,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         metrics.count(lane.name, "exists", hit=hits, miss=len(keys) - hits)
         return present
 
-    def _read(self, lane: Optional[_Lane], name: str, keys: Sequence[str], host_indices: Any) -> List[bool]:
+    def _read(self, lane: Optional[_Lane], name: str, keys: Sequence[str], host_indices: Any,
+              prefix: bool = False) -> List[bool]:
         count = len(keys)
         if count == 0:
             return []
@@ -431,8 +448,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return [True] * count
         start = time.perf_counter()
         try:
-            buffers = lane.page_buffers(host_indices, count)
-            found = lane.store.get_ids(key_ids(keys), buffers)
+            buffers = lane.page_table(host_indices, count)
+            found = lane.store.get_ids(key_ids(keys), buffers, prefix=prefix)
         except Exception as exc:
             self._fail("read", name, count, exc)
             return [False] * count

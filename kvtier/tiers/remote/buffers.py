@@ -2,7 +2,8 @@
 
 Owns the checking of the buffers handed to the data path and their flattening into arrays of
 pieces (pointer, length, offset inside the page) that descriptors are built from. It must
-never read or write the memory it describes, beyond handing out views for checksums.
+never read or write the memory it describes, beyond handing out views for checksums and
+copying whole pages to or from staging memory the data path hands it.
 
 A buffer per page is one of: a contiguous CPU tensor of ``page_bytes``; a ``(ptr, nbytes)``
 tuple of host memory; or a list of such tuples or tensors (pieces) whose sizes sum to
@@ -94,13 +95,65 @@ class PageBuffers:
             ends = np.cumsum(self.lens)
             self.offsets = ends - self.lens - np.concatenate(([0], ends))[page_start].astype(np.uint64)
 
+    @classmethod
+    def from_arrays(cls, ptrs: np.ndarray, lens: np.ndarray, count: int, page_bytes: int) -> "PageBuffers":
+        """Pages of equal piece counts given as flat arrays (page 0's pieces, then page 1's, ...),
+        checked and laid out with array operations only: no Python work per piece."""
+        ptrs = np.ascontiguousarray(ptrs, dtype=np.uint64)
+        lens = np.ascontiguousarray(lens, dtype=np.uint64)
+        if count <= 0 or len(ptrs) != len(lens) or len(ptrs) % count:
+            raise ValueError(
+                f"{len(ptrs)} piece pointers and {len(lens)} sizes for {count} pages; expected the "
+                "same number of pieces for every page"
+            )
+        per_page = len(ptrs) // count
+        if not (ptrs > 0).all() or not (lens > 0).all():
+            raise ValueError("piece pointers and sizes must be > 0")
+        totals = lens.reshape(count, per_page).sum(axis=1)
+        if (totals != page_bytes).any():
+            bad = int(np.flatnonzero(totals != page_bytes)[0])
+            raise ValueError(
+                f"buffer {bad}: {per_page} pieces of {int(totals[bad])} bytes in all; expected "
+                f"page_bytes={page_bytes}"
+            )
+        self = cls.__new__(cls)
+        self.count = count
+        self.page_bytes = page_bytes
+        self.ptrs = ptrs
+        self.lens = lens
+        self.first = np.arange(0, len(ptrs) + 1, per_page, dtype=np.int64)
+        self.single = per_page == 1
+        within = np.cumsum(lens.reshape(count, per_page), axis=1) - lens.reshape(count, per_page)
+        self.offsets = within.reshape(-1).astype(np.uint64)
+        return self
+
     def pieces_of(self, pages: Sequence[int]) -> np.ndarray:
         """Indices of the pieces of ``pages``, page by page, in order."""
         if self.single:
             return np.asarray(pages, dtype=np.int64)
+        per_page = np.diff(self.first)
+        if len(per_page) and (per_page == per_page[0]).all():
+            pages = np.asarray(pages, dtype=np.int64)
+            return (self.first[pages][:, None] + np.arange(per_page[0])[None, :]).reshape(-1)
         return np.concatenate(
             [np.arange(self.first[p], self.first[p + 1]) for p in pages]
         ) if len(pages) else np.empty(0, dtype=np.int64)
+
+    def gather(self, page: int, destination: int) -> None:
+        """Copy one page's pieces, in order, to contiguous memory at ``destination``."""
+        lo, hi = int(self.first[page]), int(self.first[page + 1])
+        for ptr, nbytes, offset in zip(
+            self.ptrs[lo:hi].tolist(), self.lens[lo:hi].tolist(), self.offsets[lo:hi].tolist()
+        ):
+            ctypes.memmove(destination + offset, ptr, nbytes)
+
+    def scatter(self, page: int, source: int) -> None:
+        """Copy contiguous memory at ``source`` into one page's pieces, in order."""
+        lo, hi = int(self.first[page]), int(self.first[page + 1])
+        for ptr, nbytes, offset in zip(
+            self.ptrs[lo:hi].tolist(), self.lens[lo:hi].tolist(), self.offsets[lo:hi].tolist()
+        ):
+            ctypes.memmove(ptr, source + offset, nbytes)
 
     def views(self, page: int) -> list[ctypes.Array]:
         """Views of one page's pieces, for checksums."""

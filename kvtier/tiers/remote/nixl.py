@@ -59,6 +59,21 @@ def load_nixl_api() -> ModuleType:
     )
 
 
+class Posted:
+    """A request started by ``NixlEngine.post``: its handle, what it carries, its first state."""
+
+    __slots__ = ("handle", "op", "count", "fault", "start", "state", "error")
+
+    def __init__(self, handle, op: str, count: int, fault: Optional[str], start: float):
+        self.handle = handle
+        self.op = op
+        self.count = count
+        self.fault = fault
+        self.start = start
+        self.state = "PROC"
+        self.error: Optional[Exception] = None
+
+
 class NixlEngine:
     """One NIXL agent with one storage backend. Registers memory and runs requests.
 
@@ -132,8 +147,10 @@ class NixlEngine:
                         self.agent.name,
                         backends=[backend],
                     )
+                    posted = Posted(handle, op, 1, None, time.monotonic())
+                    posted.state = self.agent.transfer(handle)
                     try:
-                        self._wait(handle, op, 1, forced_timeout=False)
+                        self._wait(posted, forced_timeout=False)
                     finally:
                         self._release(handle)
                 if not np.array_equal(probe, back):
@@ -159,6 +176,11 @@ class NixlEngine:
 
     def transfer(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str) -> None:
         """Move bytes for one request of Nx3 (addr, len, dev) descriptor pairs."""
+        self.wait(self.post(op, local, remote, remote_mem))
+
+    def post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str) -> "Posted":
+        """Start one request; ``wait`` must follow, whatever happens meanwhile (the backend may
+        write into ``local`` memory until then)."""
         fault = self.faults.take(op)
         if fault == "error":
             raise TransferFailed(f"{op} of {len(local)} descriptors: injected error")
@@ -176,29 +198,41 @@ class NixlEngine:
             )
         except Exception as exc:
             raise TransferFailed(f"{op}: NIXL refused the request: {exc!r}") from exc
+        posted = Posted(handle, op, len(local), fault, time.monotonic())
         try:
-            self._wait(handle, op, len(local), forced_timeout=fault == "timeout",
+            posted.state = self.agent.transfer(handle)
+        except Exception as exc:
+            posted.error = exc
+        return posted
+
+    def wait(self, posted: "Posted") -> None:
+        """Wait for a posted request to finish (or fail, or time out), then release it."""
+        try:
+            if posted.error is not None:
+                raise TransferFailed(
+                    f"{posted.op} of {posted.count} descriptors: NIXL error {posted.error!r}"
+                ) from posted.error
+            self._wait(posted, forced_timeout=posted.fault == "timeout",
                        mid_request=self.faults.mid_request)
         finally:
-            self._release(handle)
-        if fault == "error_after_io":
-            raise TransferFailed(f"{op} of {len(local)} descriptors: injected error after I/O")
+            self._release(posted.handle)
+        if posted.fault == "error_after_io":
+            raise TransferFailed(f"{posted.op} of {posted.count} descriptors: injected error after I/O")
 
     def _wait(
         self,
-        handle,
-        op: str,
-        count: int,
+        posted: "Posted",
         forced_timeout: bool,
         mid_request: Optional[Callable[[str], None]] = None,
     ) -> None:
         """Poll until done. With Linux AIO on buffered files a poll submits the next I/Os and
         copies synchronously, so a poll that took time is followed at once by the next; quick
-        polls (io_uring, POSIX AIO: the kernel or a thread does the work) back off to 0.5 ms."""
-        start = time.monotonic()
+        polls (io_uring, POSIX AIO, O_DIRECT: the kernel or a thread does the work) back off to
+        0.5 ms."""
+        op, count, handle, start = posted.op, posted.count, posted.handle, posted.start
         pause = 0.0
         try:
-            state = self.agent.transfer(handle)
+            state = posted.state
             if mid_request is not None:
                 mid_request(op)
             while state == "PROC" or forced_timeout:

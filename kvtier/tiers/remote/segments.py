@@ -22,6 +22,18 @@ each payload so a record costs 64 bytes, not a 4 KiB block, and payloads keep th
 a second descriptor for the header stream was measured and gave nothing (kernel readahead
 copes). The superblock lets ``tool.rebuild_index`` find every record without the index.
 
+Direct I/O: each segment is opened twice, buffered and with ``O_DIRECT`` (both registered
+with NIXL once), unless the file system refuses ``O_DIRECT`` or keeps its files in memory
+(tmpfs, ramfs: direct I/O there is a copy through the same page cache), which is probed once
+per store (``direct_io_refusal``), logged once and reported by ``RemoteStore.stats()``.
+Payload descriptors whose memory address, length and file offset are all multiples of
+``SLOT_ALIGN`` go to the ``O_DIRECT`` descriptor, everything else (record headers of 64 bytes,
+unaligned pieces; the data path stages pages with unaligned pieces, so with direct I/O on
+that is the headers) to the buffered one: no 4 KiB block is reached through both, and the
+kernel keeps the two coherent for distinct blocks (a direct read writes back dirty cached
+pages of its range first, a direct write invalidates them). ``fdatasync`` of either descriptor
+makes the whole file durable.
+
 A segment file that was deleted or truncated under a running store is found by one ``fstat``
 per segment per batch: the pages it lost (all of a deleted file, those past the end of a
 truncated one) fail to read and leave the index, the others are served, and the next write
@@ -31,8 +43,11 @@ into it lays the file out at full size again.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
+import mmap
 import os
+import random
 import struct
 import threading
 from dataclasses import dataclass
@@ -106,12 +121,60 @@ def parse_superblock(raw: bytes) -> Optional[Superblock]:
     return Superblock(version, seg, stride, nslots)
 
 
+_TMPFS_MAGIC = 0x01021994
+_RAMFS_MAGIC = 0x858458F6
+_STATFS_BYTES = 256
+
+
+def direct_io_refusal(dir_fd: int, path: str, modes: Modes) -> Optional[str]:
+    """Why segment files in ``path`` cannot use ``O_DIRECT`` (None: they can): a file system
+    that keeps files in memory, or one that refuses to open or write a probe file with it."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    kind = _file_system_magic(path)
+    if kind in (_TMPFS_MAGIC, _RAMFS_MAGIC):
+        return f"{path} is on {'tmpfs' if kind == _TMPFS_MAGIC else 'ramfs'} (files in memory)"
+    name = f".direct-probe-{os.getpid()}-{random.getrandbits(32):08x}"
+    block = mmap.mmap(-1, SLOT_ALIGN)
+    try:
+        fd = create_file(dir_fd, name, os.path.join(path, name), modes)
+        try:
+            direct = os.open(name, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW, dir_fd=dir_fd)
+            try:
+                os.pwritev(direct, [block], 0)
+                os.preadv(direct, [block], 0)
+            finally:
+                os.close(direct)
+        finally:
+            os.close(fd)
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return f"{path} refuses O_DIRECT ({exc.strerror})"
+        raise
+    finally:
+        block.close()
+    return None
+
+
+def _file_system_magic(path: str) -> Optional[int]:
+    statfs = getattr(ctypes.CDLL(None, use_errno=True), "statfs", None)
+    if statfs is None:
+        return None
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    if statfs(os.fsencode(path), buffer) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
 @dataclass
 class Located:
-    """Where each page of a batch lives: descriptor device (fd or object id), header and
-    payload offsets; ``bad`` maps pages that cannot be moved to the reason."""
+    """Where each page of a batch lives: descriptor device (fd or object id), the ``O_DIRECT``
+    device (the same as ``devs`` where direct I/O is off), header and payload offsets; ``bad``
+    maps pages that cannot be moved to the reason."""
 
     devs: np.ndarray
+    direct_devs: np.ndarray
     header_offs: np.ndarray
     payload_offs: np.ndarray
     bad: dict[int, str]
@@ -119,30 +182,48 @@ class Located:
 
 def build_descriptors(
     located: Located, pages: Sequence[int], buffers: PageBuffers, source_pages: Sequence[int],
-    headers: np.ndarray,
+    header_ptr: int, staging: Optional[tuple[int, int]] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Paired local/remote (addr, len, dev) descriptors: every payload piece, then every header.
 
-    ``pages`` index ``located``; ``source_pages`` index ``buffers``; header ``j`` is row ``j``
-    of ``headers``. Pieces of one page go to consecutive ranges of its record's payload."""
+    ``pages`` index ``located``; ``source_pages`` index ``buffers``; header ``j`` lies at
+    ``header_ptr + 64 j``. Pieces of one page go to consecutive ranges of its record's
+    payload, each through the ``O_DIRECT`` device where its address, length and offset are
+    aligned. With ``staging`` = (address, slot stride), page ``j``'s payload instead moves
+    whole, through the ``O_DIRECT`` device, from or to ``address + j * stride`` (aligned
+    memory the caller copies to or from the pieces)."""
     pages = np.asarray(pages, dtype=np.int64)
     count = len(pages)
-    pieces = buffers.pieces_of(source_pages)
-    owner = (
-        pages if buffers.single
-        else np.repeat(pages, np.diff(buffers.first)[np.asarray(source_pages, dtype=np.int64)])
-    )
-    npieces = len(pieces)
-    local = np.empty((npieces + count, 3), dtype=np.uint64)
-    remote = np.empty((npieces + count, 3), dtype=np.uint64)
-    local[:npieces, 0] = buffers.ptrs[pieces]
-    local[:npieces, 1] = buffers.lens[pieces]
-    local[npieces:, 0] = headers.ctypes.data + np.arange(count, dtype=np.uint64) * HEADER_BYTES
+    if staging is not None:
+        start, stride = staging
+        local = np.empty((2 * count, 3), dtype=np.uint64)
+        remote = np.empty((2 * count, 3), dtype=np.uint64)
+        local[:count, 0] = start + np.arange(count, dtype=np.uint64) * np.uint64(stride)
+        local[:count, 1] = stride
+        remote[:count, 0] = located.payload_offs[pages]
+        remote[:count, 1] = stride
+        remote[:count, 2] = located.direct_devs[pages]
+        npieces = count
+    else:
+        pieces = buffers.pieces_of(source_pages)
+        owner = (
+            pages if buffers.single
+            else np.repeat(pages, np.diff(buffers.first)[np.asarray(source_pages, dtype=np.int64)])
+        )
+        npieces = len(pieces)
+        local = np.empty((npieces + count, 3), dtype=np.uint64)
+        remote = np.empty((npieces + count, 3), dtype=np.uint64)
+        ptrs, lens = buffers.ptrs[pieces], buffers.lens[pieces]
+        offsets = located.payload_offs[owner] + buffers.offsets[pieces]
+        local[:npieces, 0] = ptrs
+        local[:npieces, 1] = lens
+        remote[:npieces, 0] = offsets
+        remote[:npieces, 1] = lens
+        aligned = ((ptrs | lens | offsets) & np.uint64(SLOT_ALIGN - 1)) == 0
+        remote[:npieces, 2] = np.where(aligned, located.direct_devs[owner], located.devs[owner])
+    local[npieces:, 0] = header_ptr + np.arange(count, dtype=np.uint64) * np.uint64(HEADER_BYTES)
     local[npieces:, 1] = HEADER_BYTES
     local[:, 2] = 0
-    remote[:npieces, 0] = located.payload_offs[owner] + buffers.offsets[pieces]
-    remote[:npieces, 1] = buffers.lens[pieces]
-    remote[:npieces, 2] = located.devs[owner]
     remote[npieces:, 0] = located.header_offs[pages]
     remote[npieces:, 1] = HEADER_BYTES
     remote[npieces:, 2] = located.devs[pages]
@@ -162,6 +243,7 @@ class SegmentFiles:
         store_fd: int,
         modes: Modes,
         segment_shape: Callable[[int], tuple[int, int]],
+        direct_io: bool = True,
     ):
         self._engine = engine
         self._segment_shape = segment_shape
@@ -169,7 +251,18 @@ class SegmentFiles:
         self.path = os.path.join(directory, SEGMENTS_DIRNAME)
         self._dir_fd = open_segments_directory(store_fd, directory, modes)
         self._lock = threading.Lock()
-        self._open: dict[int, tuple[int, int, int, object]] = {}
+        self._open: dict[int, tuple[int, int, int, int, list]] = {}
+        self.direct_io = False
+        if direct_io:
+            try:
+                refusal = direct_io_refusal(self._dir_fd, self.path, modes)
+            except OSError:
+                os.close(self._dir_fd)
+                raise
+            if refusal is None:
+                self.direct_io = True
+            else:
+                logger.warning("remote store segments: %s; using buffered I/O", refusal)
 
     def _file(self, seg: int) -> str:
         return os.path.join(self.path, segment_name(seg))
@@ -196,33 +289,55 @@ class SegmentFiles:
         os.pwrite(fd, pack_superblock(seg, slot_stride, nslots), 0)
         os.fsync(fd)
 
-    def _segment(self, seg: int) -> tuple[int, int, int]:
-        """(fd, slot_stride, nslots) of ``seg``, opening and registering it once."""
+    def _segment(self, seg: int) -> tuple[int, int, int, int]:
+        """(fd, O_DIRECT fd or fd, slot_stride, nslots) of ``seg``, opening and registering it
+        once."""
         with self._lock:
             found = self._open.get(seg)
             if found is None:
                 slot_stride, nslots = self._segment_shape(seg)
-                fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg))
+                size = segment_file_bytes(slot_stride, nslots)
+                fds: list[int] = []
+                registrations: list = []
                 try:
-                    registration = self._engine.register(
-                        [(0, segment_file_bytes(slot_stride, nslots), fd, "")], "FILE"
-                    )
-                except Exception:
-                    os.close(fd)
+                    fds.append(open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg)))
+                    if self.direct_io:
+                        # The name was just opened without following links: the second open
+                        # reaches the same file unless it was replaced meanwhile (fstat tells).
+                        fds.append(open_no_follow(
+                            self._dir_fd, segment_name(seg), os.O_RDWR | os.O_DIRECT, self._file(seg)
+                        ))
+                        first, second = os.fstat(fds[0]), os.fstat(fds[1])
+                        if (first.st_dev, first.st_ino) != (second.st_dev, second.st_ino):
+                            raise FileNotFoundError(f"segment file {self._file(seg)} was replaced while opened")
+                    for fd in fds:
+                        registrations.append(self._engine.register([(0, size, fd, "")], "FILE"))
+                except BaseException:
+                    for registration in registrations:
+                        self._engine.deregister(registration)
+                    for fd in fds:
+                        os.close(fd)
                     raise
-                found = self._open[seg] = (fd, slot_stride, nslots, registration)
-        return found[:3]
+                found = self._open[seg] = (fds[0], fds[-1], slot_stride, nslots, registrations)
+        return found[:4]
 
     def _forget(self, seg: int) -> None:
         with self._lock:
             found = self._open.pop(seg, None)
         if found is not None:
-            self._engine.deregister(found[3])
-            os.close(found[0])
+            self._close_segment(found)
+
+    def _close_segment(self, found: tuple) -> None:
+        fd, direct, _, _, registrations = found
+        for registration in registrations:
+            self._engine.deregister(registration)
+        os.close(fd)
+        if direct != fd:
+            os.close(direct)
 
     def _state(self, seg: int) -> tuple[Optional[str], int]:
         """(why ``seg``'s open file can hold none of its records, or None; its size)."""
-        fd, _, _ = self._segment(seg)
+        fd = self._segment(seg)[0]
         info = os.fstat(fd)
         if info.st_nlink == 0:
             return f"segment file {self._file(seg)} was deleted", 0
@@ -284,24 +399,28 @@ class SegmentFiles:
         segs = np.fromiter((s.seg for s in slots), dtype=np.int64, count=count)
         slot_ids = np.fromiter((s.slot for s in slots), dtype=np.uint64, count=count)
         devs = np.zeros(count, dtype=np.uint64)
+        direct_devs = np.zeros(count, dtype=np.uint64)
         payload_offs = np.zeros(count, dtype=np.uint64)
         bad: dict[int, str] = {}
-        for seg in np.unique(segs).tolist():
-            mask = segs == seg
+        distinct = {s.seg for s in slots}
+        for seg in distinct:
+            mask = segs == seg if len(distinct) > 1 else slice(None)
             reason, size = self._usable(seg, for_write)
             if reason is not None:
-                bad.update((int(i), reason) for i in np.flatnonzero(mask))
+                bad.update((int(i), reason) for i in np.arange(count)[mask])
                 continue
-            fd, slot_stride, nslots = self._segment(seg)
+            fd, direct, slot_stride, nslots = self._segment(seg)
             devs[mask] = fd
+            direct_devs[mask] = direct
             payload_offs[mask] = (
-                SUPERBLOCK_BYTES + header_table_bytes(nslots) + slot_ids[mask] * slot_stride
+                SUPERBLOCK_BYTES + header_table_bytes(nslots) + slot_ids[mask] * np.uint64(slot_stride)
             )
-            short = np.flatnonzero(mask & (payload_offs + length > size))
-            reason = f"segment file {self._file(seg)} is cut short at {size} bytes"
-            bad.update((int(i), reason) for i in short)
-        header_offs = SUPERBLOCK_BYTES + slot_ids * HEADER_BYTES
-        return Located(devs, header_offs.astype(np.uint64), payload_offs, bad)
+            if size < segment_file_bytes(slot_stride, nslots):
+                short = np.flatnonzero((segs == seg) & (payload_offs + length > size))
+                reason = f"segment file {self._file(seg)} is cut short at {size} bytes"
+                bad.update((int(i), reason) for i in short)
+        header_offs = np.uint64(SUPERBLOCK_BYTES) + slot_ids * np.uint64(HEADER_BYTES)
+        return Located(devs, direct_devs, header_offs, payload_offs, bad)
 
     def start_writeback(self, remote: np.ndarray) -> None:
         """Ask the kernel to start writing the byte range a request just dirtied, per file, so
@@ -317,13 +436,12 @@ class SegmentFiles:
 
     def make_durable(self, segs: set[int]) -> None:
         for seg in sorted(segs):
-            os.fdatasync(self._segment(seg)[0])
+            os.fdatasync(self._segment(seg)[0])  # the file's data, through either descriptor
 
     def close(self) -> None:
         with self._lock:
-            for fd, _, _, registration in self._open.values():
-                self._engine.deregister(registration)
-                os.close(fd)
+            for found in self._open.values():
+                self._close_segment(found)
             self._open.clear()
         os.close(self._dir_fd)
 
@@ -337,6 +455,7 @@ class SlotObjects:
 
     mem_type = "OBJ"
     whole_records = True
+    direct_io = False
 
     def __init__(self, engine: NixlEngine, prefix: str):
         self._engine = engine
@@ -360,6 +479,7 @@ class SlotObjects:
     def locate(self, slots: Sequence[SlotRef], length: int, for_write: bool) -> Located:
         devs = np.array([self._device(s, length) for s in slots], dtype=np.uint64)
         return Located(
+            devs,
             devs,
             np.zeros(len(slots), dtype=np.uint64),
             np.full(len(slots), HEADER_BYTES, dtype=np.uint64),

@@ -3,8 +3,10 @@
 Owns ``RemoteStore``: the data path (put, get, contains, delete by key or by key id), its
 counters, its threads, and the order of every step that makes a page durable, visible,
 readable or gone. The pieces it drives live beside it: ``index`` (SQLite: which slot holds
-which page), ``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header,
-CRC32C, MAC), ``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
+which page), ``datapath`` (moving a batch's records: requests, checksum pipeline, registered
+blocks, direct I/O routes), ``segments`` (segment files, the OBJ medium, descriptors),
+``records`` (header, CRC32C, MAC), ``nixl`` (the agent and its requests), ``paths``
+(directory safety), ``faults``.
 
 It must never: move page bytes other than through NIXL; return a page whose record header,
 checksum or MAC does not match (a miss, counted, and the page leaves the index); make a page
@@ -24,14 +26,18 @@ ValueError naming it and its position with nothing changed. The id methods (``co
 hashing. ``"abc"`` and ``b"abc"`` are two keys and two pages.
 
 Buffers: per key, a contiguous CPU tensor or ``(ptr, nbytes)`` tuple of ``page_bytes``, or a
-list of ``(ptr, nbytes)`` pieces summing to ``page_bytes`` (scatter/gather: the pieces are one
+list of ``(ptr, nbytes)`` pieces summing to ``page_bytes``; or, for the whole batch, one
+``buffers.PageBuffers`` (``PageBuffers.from_arrays``: pieces as arrays, no Python work per
+piece) (scatter/gather: the pieces are one
 record, one checksum, one slot; NIXL pairs several local descriptors with consecutive ranges
 of the record). A page is visible only once all its pieces are durable, since its pieces always
 travel in one NIXL request.
 
 Data path and measured choices (2 vCPU VM, virtio disk of about 1.5 GB/s write and 1.9 GB/s
 read; ``benchmarks/remote_bandwidth.py``):
-- A batch moves in NIXL requests of up to ``pipeline_bytes`` (default 8 MiB), never one per page:
+- A batch moves in NIXL requests of up to ``pipeline_bytes`` (default 8 MiB), never one per
+  page; with direct I/O up to four requests are in flight at once (``datapath``: an
+  ``O_DIRECT`` request keeps only its own reads queued at the device):
   the checksum threads seal request k+1 (CRC32C, headers) while request k moves, and check
   request k while k+1 moves. The crc32c package (CPU CRC instructions) runs at about 15 GB/s a
   core and releases the GIL, and so does NIXL while it moves bytes. One request per 64 MiB batch
@@ -125,15 +131,13 @@ import time
 import urllib.parse
 import urllib.request
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
-
-import numpy as np
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from kvtier.errors import SettingError
 from kvtier.index.keys import KEY_ID_BYTES, key_ids
 from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
+from kvtier.tiers.remote.datapath import REQUEST_ERRORS, DataPath
 from kvtier.tiers.remote.faults import FaultInjector
 from kvtier.tiers.remote.presence import RECHECK_S as PRESENCE_RECHECK_S
 from kvtier.tiers.remote.index import (
@@ -151,15 +155,13 @@ from kvtier.tiers.remote.paths import (
     open_store_directory,
     prepare_index_files,
 )
-from kvtier.tiers.remote.records import SLOT_ALIGN, RecordCodec, headers_array, new_tokens
-from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects, build_descriptors
+from kvtier.tiers.remote.records import SLOT_ALIGN, RecordCodec, new_tokens
+from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
 CLOSE_GRACE_S = 0.5
-_PARALLEL_CHECKSUM_BYTES = 4 << 20
-_CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 
 Key = Union[str, bytes]
@@ -167,7 +169,7 @@ _COUNTERS = (
     "hits", "misses", "corrupt_reads", "raced_reads", "read_failures", "write_failures",
     "rejected_writes", "evictions", "bytes_written", "bytes_read",
 )
-_REQUEST_ERRORS = (TransferFailed, OSError, KeyError, sqlite3.Error)
+_REQUEST_ERRORS = REQUEST_ERRORS
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -194,6 +196,8 @@ def _store_directory(location: Union[str, os.PathLike]) -> str:
 
 def _log_by_reason(message: str, bad: dict[int, str]) -> None:
     """One warning per distinct reason, with how many pages it took."""
+    if not bad:
+        return
     for reason, count in Counter(bad.values()).items():
         logger.warning(message, count, reason)
 
@@ -230,7 +234,8 @@ class RemoteStore:
     ``timeout_s`` per NIXL request (``set_timeout`` changes it later); ``segment_bytes`` per
     segment file; ``reuse_delay_s`` before a freed slot is rewritten; ``reservation_lease_s``
     after which another host's unpublished reservation is reclaimed; ``checksum_threads``
-    (default ``min(4, cpus)``); ``pipeline_bytes`` per NIXL request; ``backend_params`` passed to
+    (default ``min(4, cpus)``); ``pipeline_bytes`` per NIXL request; ``direct_io``: segment I/O with ``O_DIRECT`` where the file system
+    allows it (see ``segments``); ``backend_params`` passed to
     the NIXL backend; ``object_prefix`` names objects for ``backend="OBJ"``;
     ``presence_recheck_s``: ``contains`` answers keys it found published from memory while no
     process has removed pages, and reads the index's removal counter at least this often, so a
@@ -267,6 +272,7 @@ class RemoteStore:
         presence_recheck_s: float = PRESENCE_RECHECK_S,
         create: bool = False,
         namespace_label: Optional[Mapping[str, object]] = None,
+        direct_io: bool = True,
     ):
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r}; expected a non-empty hex string")
@@ -305,12 +311,10 @@ class RemoteStore:
                 f"segment_bytes {segment_bytes}; expected at least one slot ({self.slot_stride})"
             )
         self.slots_per_segment = segment_bytes // self.slot_stride
-        self.pipeline_bytes = pipeline_bytes
         self.directory = _store_directory(location)
         self.faults = FaultInjector()
         self._ns_fp = records.namespace_fingerprint(namespace)
         self._codec = RecordCodec(self._ns_fp, mac_key)
-        self._checksum_threads = checksum_threads
         records.require_crc32c()
         api = load_nixl_api()
         modes = Modes.for_store(shared_group)
@@ -335,7 +339,8 @@ class RemoteStore:
                 self._medium = SlotObjects(self._engine, object_prefix)
             else:
                 self._medium = SegmentFiles(
-                    self._engine, self.directory, self._dir_fd, modes, self._index.segment
+                    self._engine, self.directory, self._dir_fd, modes, self._index.segment,
+                    direct_io=direct_io,
                 )
             self.capacity_bytes = (
                 capacity_bytes if capacity_bytes is not None else self._default_capacity()
@@ -347,9 +352,11 @@ class RemoteStore:
         except BaseException:
             self._release_resources()
             raise
-        self._checksum_pool = ThreadPoolExecutor(checksum_threads, _CHECKSUM_THREAD_PREFIX)
-        self._host_lock = threading.Lock()
-        self._host_memory: list[tuple[int, int, object]] = []
+        self.pipeline_bytes = pipeline_bytes
+        self._path = DataPath(
+            self._engine, self._medium, self._codec, page_bytes, self.slot_stride, pipeline_bytes,
+            checksum_threads,
+        )
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._calls = threading.Condition()
@@ -435,6 +442,7 @@ class RemoteStore:
                 counters = dict(self._counters)
             counters.update(self._index.stats(self._ns_fp))
         counters["capacity_bytes"] = self.capacity_bytes
+        counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
         return counters
 
@@ -452,7 +460,7 @@ class RemoteStore:
         pages it carried (``write_failures``); pages beyond what the capacity can hold even
         after eviction are False (``rejected_writes``)."""
         ids = check_ids(ids)
-        pages = PageBuffers(buffers, len(ids), self.page_bytes)
+        pages = self._pages(buffers, len(ids))
         if not ids:
             return []
         with self._call():
@@ -492,32 +500,7 @@ class RemoteStore:
             raise
         _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
-        chunks = self._chunks(writable)
-        # The first request's seal has nothing to overlap with: it runs now, split across the
-        # threads; the others queue behind it and overlap the moves.
-        seals = [
-            self._job(self._seal, ([ids[i] for i in chunk], [tokens[i] for i in chunk], pages, chunk),
-                      pipelined=n > 0)
-            for n, chunk in enumerate(chunks)
-        ]
-        crcs: dict[int, int] = {}
-        moved: list[int] = []
-        for chunk, seal in zip(chunks, seals):
-            chunk_crcs, headers = seal.result()
-            try:
-                if self._medium.whole_records:
-                    local, remote, staging = self._medium.stage(located, chunk, pages, chunk, headers)
-                else:
-                    local, remote = build_descriptors(located, chunk, pages, chunk, headers)
-                    staging = None
-                self._move("WRITE", local, remote)
-                del staging  # OBJ records staged contiguously must outlive the transfer
-                self._medium.start_writeback(remote)
-            except _REQUEST_ERRORS as exc:
-                logger.warning("remote put of %d pages failed: %s", len(chunk), exc)
-                continue
-            crcs.update(zip(chunk, chunk_crcs))
-            moved.extend(chunk)
+        moved, crcs = self._path.write(ids, tokens, located, writable, pages)
         try:
             if moved:
                 self._medium.make_durable({slots[i].seg for i in moved})
@@ -536,34 +519,38 @@ class RemoteStore:
         self._count(write_failures=len(slots) - written, bytes_written=written * self.page_bytes)
         return published
 
-    def get(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[bool]:
+    def get(self, keys: Sequence[Key], buffers: Sequence[Buffer], prefix: bool = False) -> list[bool]:
         """``get_ids`` by keys."""
-        return self.get_ids(key_ids(keys), buffers)
+        return self.get_ids(key_ids(keys), buffers, prefix=prefix)
 
-    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer], prefix: bool = False) -> list[bool]:
         """Fill buffers with pages; True where the page was found and verified.
 
         The batch moves in NIXL requests of up to ``pipeline_bytes``; the checksum threads check
         a request's pages (CRC32C, record headers, MAC) while the next one moves. A page that is
         absent, of another size, unreadable, fails its check, or was carried by a failed
         request is a miss (and leaves the index unless a writer replaced it meanwhile); its
-        buffer content is then unspecified."""
+        buffer content is then unspecified. With ``prefix``, the pages after the first one the
+        index does not hold are not read (misses): an engine that keeps only a leading run of
+        hits (SGLang) would discard them."""
         ids = check_ids(ids)
-        pages = PageBuffers(buffers, len(ids), self.page_bytes)
+        pages = self._pages(buffers, len(ids))
         if not ids:
             return []
         with self._call():
-            return self._get(ids, pages)
+            return self._get(ids, pages, prefix)
 
-    def _get(self, ids: list[bytes], pages: PageBuffers) -> list[bool]:
+    def _get(self, ids: list[bytes], pages: PageBuffers, prefix: bool) -> list[bool]:
         locations = self._index.lookup(self._ns_fp, ids)
-        wanted = [
-            i for i, loc in enumerate(locations)
-            if loc is not None and loc.length == self.page_bytes
-        ]
+        wanted = []
+        for i, loc in enumerate(locations):
+            if loc is not None and loc.length == self.page_bytes:
+                wanted.append(i)
+            elif prefix:
+                break
         found = [False] * len(ids)
         failed: list[int] = []
-        checks: list[tuple[list[int], Future]] = []
+        checks: list = []
         if wanted:
             try:
                 located = self._medium.locate(
@@ -578,23 +565,10 @@ class RemoteStore:
                 _log_by_reason("remote get: %d pages unreadable: %s", located.bad)
                 failed.extend(wanted[j] for j in located.bad)
                 readable = [j for j in range(len(wanted)) if j not in located.bad]
-                headers = np.zeros((len(readable), records.HEADER_BYTES), dtype=np.uint8)
-                row = 0
-                chunks = self._chunks(readable)
-                for n, chunk in enumerate(chunks):
-                    sources = [wanted[j] for j in chunk]
-                    block = headers[row : row + len(chunk)]
-                    row += len(chunk)
-                    try:
-                        local, remote = build_descriptors(located, chunk, pages, sources, block)
-                        self._move("READ", local, remote)
-                    except _REQUEST_ERRORS as exc:
-                        logger.warning("remote get of %d pages failed: %s", len(chunk), exc)
-                        failed.extend(sources)
-                        continue
-                    args = (sources, [locations[i] for i in sources], ids, block, pages)
-                    last = n == len(chunks) - 1  # nothing left to overlap: check it now, split
-                    checks.append((sources, self._job(self._check, args, pipelined=not last)))
+                request_failed, checks = self._path.read(
+                    ids, located, wanted, readable, locations, pages
+                )
+                failed.extend(request_failed)
         for sources, check in checks:
             for i, ok in zip(sources, check.result()):
                 found[i] = ok
@@ -629,25 +603,12 @@ class RemoteStore:
         of buffers inside it skip the per-call registration."""
         ptr, nbytes = pointer(buffer)
         with self._call():
-            registration = self._engine.register([(ptr, nbytes, 0, "")], "DRAM")
-            with self._host_lock:
-                self._host_memory.append((ptr, ptr + nbytes, registration))
+            self._path.host.add(ptr, nbytes)
 
     def unregister_host_memory(self, buffer) -> None:
         """Undo ``register_host_memory`` for the same buffer."""
         ptr, nbytes = pointer(buffer)
-        with self._host_lock:
-            for entry in self._host_memory:
-                if entry[:2] == (ptr, ptr + nbytes):
-                    self._host_memory.remove(entry)
-                    break
-            else:
-                raise ValueError(
-                    f"host memory [{ptr:#x}, +{nbytes}) was not registered; registered: "
-                    f"{[(hex(s), e - s) for s, e, _ in self._host_memory]}"
-                )
-        if not self._closed:
-            self._engine.deregister(entry[2])
+        self._path.host.remove(ptr, nbytes, deregister=not self._closed)
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -662,7 +623,7 @@ class RemoteStore:
             while self._in_flight and time.monotonic() < deadline:
                 self._calls.wait(deadline - time.monotonic())
             stuck = self._in_flight
-        self._checksum_pool.shutdown(wait=not stuck)
+        self._path.shutdown(wait=not stuck)
         if stuck:
             logger.error(
                 "remote store %s closed with %d calls still in flight after timeout_s=%s; its "
@@ -671,10 +632,7 @@ class RemoteStore:
             )
             return
         self._index.set_busy_timeout(max(1e-3, deadline - time.monotonic()))
-        with self._host_lock:
-            host, self._host_memory = self._host_memory, []
-        for _, _, registration in host:
-            self._engine.deregister(registration)
+        self._path.close()
         self._release_resources()
 
     def _release_resources(self) -> None:
@@ -712,73 +670,20 @@ class RemoteStore:
                 self._in_flight -= 1
                 self._calls.notify_all()
 
+    def _pages(self, buffers: Union[Sequence[Buffer], PageBuffers], count: int) -> PageBuffers:
+        if not isinstance(buffers, PageBuffers):
+            return PageBuffers(buffers, count, self.page_bytes)
+        if (buffers.count, buffers.page_bytes) != (count, self.page_bytes):
+            raise ValueError(
+                f"PageBuffers of {buffers.count} pages of {buffers.page_bytes} bytes for {count} ids; "
+                f"expected {count} pages of page_bytes={self.page_bytes}"
+            )
+        return buffers
+
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():
                 self._counters[name] += delta
-
-    def _chunks(self, items: list[int]) -> list[list[int]]:
-        """Split pages into runs of up to ``pipeline_bytes``, one NIXL request each."""
-        per_request = max(1, self.pipeline_bytes // self.page_bytes)
-        return [items[s : s + per_request] for s in range(0, len(items), per_request)]
-
-    def _job(self, fn: Callable, args: tuple, pipelined: bool) -> Future:
-        """Run ``fn(*args)`` on the checksum threads when another request of the batch can move
-        meanwhile, else now (where it splits its checksum work across the threads)."""
-        if pipelined:
-            return self._checksum_pool.submit(fn, *args)
-        job: Future = Future()
-        job.set_result(fn(*args))
-        return job
-
-    def _parallel(self, fn: Callable[[int], object], count: int) -> list:
-        """``[fn(j) for j in range(count)]``; on a caller thread, large work is split across
-        the checksum threads (crc32c and hashlib release the GIL on large buffers). On a
-        checksum thread it runs there: that is the pipeline."""
-        if (
-            threading.current_thread().name.startswith(_CHECKSUM_THREAD_PREFIX)
-            or count * self.page_bytes < _PARALLEL_CHECKSUM_BYTES
-            or self._checksum_threads == 1
-        ):
-            return [fn(j) for j in range(count)]
-        step = -(-count // self._checksum_threads)
-        parts = [
-            self._checksum_pool.submit(lambda lo: [fn(j) for j in range(lo, min(lo + step, count))], lo)
-            for lo in range(0, count, step)
-        ]
-        return [result for part in parts for result in part.result()]
-
-    def _seal(
-        self, ids: Sequence[bytes], tokens: Sequence[int], pages: PageBuffers, sources: Sequence[int]
-    ) -> tuple[list[int], np.ndarray]:
-        """CRC32C and record headers of pages about to be written."""
-        sealed = self._parallel(
-            lambda j: self._codec.seal(ids[j], self.page_bytes, tokens[j], pages.views(sources[j])),
-            len(ids),
-        )
-        return [crc for crc, _ in sealed], headers_array([header for _, header in sealed])
-
-    def _check(
-        self,
-        sources: Sequence[int],
-        locations: Sequence[PageLocation],
-        ids: Sequence[bytes],
-        headers: np.ndarray,
-        pages: PageBuffers,
-    ) -> list[bool]:
-        """Whether each page just read has the record header, CRC32C (and MAC) the index
-        promises."""
-        got = headers.tobytes()
-        step = records.HEADER_BYTES
-
-        def verify(j: int) -> bool:
-            loc = locations[j]
-            return self._codec.verify(
-                ids[sources[j]], self.page_bytes, loc.token, loc.crc,
-                got[j * step : (j + 1) * step], pages.views(sources[j]),
-            )
-
-        return self._parallel(verify, len(sources))
 
     def _unpublish_failed(
         self, unreadable: list[tuple[bytes, PageLocation]], bad: list[tuple[bytes, PageLocation]]
@@ -804,37 +709,6 @@ class RemoteStore:
         self._count(
             read_failures=len(unreadable), corrupt_reads=corrupt, raced_reads=len(bad) - corrupt
         )
-
-    def _move(self, op: str, local: np.ndarray, remote: np.ndarray) -> None:
-        """One NIXL request; registers the local ranges not covered by host registrations for
-        its duration. Descriptors go in file order so the backend sees sequential I/O."""
-        order = np.lexsort((remote[:, 0], remote[:, 2]))
-        local, remote = local[order], remote[order]
-        registration = self._register_local(local)
-        try:
-            self._engine.transfer(op, local, remote, self._medium.mem_type)
-        finally:
-            if registration is not None:
-                self._engine.deregister(registration)
-
-    def _register_local(self, local: np.ndarray):
-        starts = local[:, 0]
-        ends = starts + local[:, 1]
-        order = np.argsort(starts, kind="stable")
-        merged: list[list[int]] = []
-        for start, end in zip(starts[order].tolist(), ends[order].tolist()):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        with self._host_lock:
-            covered = [(s, e) for s, e, _ in self._host_memory]
-        rows = [
-            (start, end - start, 0, "")
-            for start, end in merged
-            if not any(s <= start and end <= e for s, e in covered)
-        ]
-        return self._engine.register(rows, "DRAM") if rows else None
 
     def _release_quietly(self, slots: Sequence[SlotRef]) -> None:
         if not slots:

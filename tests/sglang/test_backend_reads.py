@@ -1,0 +1,82 @@
+"""The kvtier backend's read path under SGLang's own pools: pages after the first miss of a
+read are not read (SGLang keeps only the leading hits), and layer_first pages of many pieces
+come back bit-exact into poisoned slots through direct I/O and through buffered I/O."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl_cu13")
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from sglang_pools import (  # noqa: E402
+    PAGE,
+    fill_pages,
+    keys_for,
+    make_backend,
+    make_host_pool,
+    page_bytes,
+    page_starts,
+    page_tensor_bytes,
+    poison_pages,
+    storage_config,
+)
+
+SHM = Path("/dev/shm")
+
+
+def request_cleanup(path: Path) -> None:
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
+def test_a_read_stops_at_the_first_missing_page(tmp_path, gen):
+    pool = make_host_pool()
+    backend = make_backend(storage_config(tmp_path), pool)
+    keys = keys_for("gap", 6)
+    src = pool.alloc(6 * PAGE)
+    fill_pages(pool, src, gen)
+    for i in (0, 1, 3, 4, 5):
+        assert backend.batch_set_v1([keys[i]], src[i * PAGE : (i + 1) * PAGE]) == [True]
+    dst = pool.alloc(6 * PAGE)
+    poison_pages(pool, dst)
+    poisoned_after_gap = [page_bytes(pool, start) for start in page_starts(dst)[3:]]
+    store = backend.store_stats()["kv"]
+    assert backend.batch_get_v1(keys, dst) == [True, True, False, False, False, False]
+    for a, b in zip(page_starts(src)[:2], page_starts(dst)[:2]):
+        assert page_bytes(pool, b) == page_bytes(pool, a)
+    assert [page_bytes(pool, start) for start in page_starts(dst)[3:]] == poisoned_after_gap
+    after = backend.store_stats()["kv"]
+    assert after["bytes_read"] - store["bytes_read"] == 2 * backend._anchor.page_bytes
+    assert backend.batch_exists(keys[3:]) == 3  # the pages after the gap are still stored
+    backend.close()
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct-disk", "buffered-tmpfs"])
+def test_layer_first_pages_round_trip(tmp_path, gen, direct_io):
+    """2 pieces per layer (K, V) per page, read through one array of pieces; on tmpfs the store
+    falls back to buffered I/O."""
+    if direct_io:
+        location = tmp_path
+    else:
+        if not SHM.is_dir():
+            pytest.skip("no /dev/shm")
+        location = SHM / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
+        request_cleanup(location)
+    pool = make_host_pool("mha", "layer_first", layers=5, heads=2, head_dim=64)
+    backend = make_backend(storage_config(location), pool)
+    assert backend.store_stats()["kv"]["direct_io"] == int(direct_io)
+    pages = 7
+    src, dst = pool.alloc(pages * PAGE), pool.alloc(pages * PAGE)
+    fill_pages(pool, src, gen)
+    poison_pages(pool, dst)
+    keys = keys_for(f"layer-first-{direct_io}", pages)
+    assert backend.batch_set_v1(keys, src) == [True] * pages
+    assert backend.batch_get_v1(keys, dst) == [True] * pages
+    for a, b in zip(page_starts(src), page_starts(dst)):
+        assert page_tensor_bytes(pool, b) == page_tensor_bytes(pool, a)
+    backend.close()

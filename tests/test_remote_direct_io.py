@@ -1,0 +1,201 @@
+"""The remote store's direct I/O on real files and the real NIXL POSIX backend: O_DIRECT
+segment reads and writes for aligned memory (zero-copy) and unaligned memory (registered
+staging), the buffered fallback on tmpfs, coherence between buffered and direct access to
+one store, and no NIXL registration per call once warm."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13")
+
+from kvtier.tiers.remote import SLOT_ALIGN  # noqa: E402
+from test_remote_store import NS, flip_byte, record_offsets  # noqa: E402
+
+PAGE = 16 << 10
+SHM = Path("/dev/shm")
+
+
+def aligned_pages(count: int, offset: int = 0) -> tuple[mmap.mmap, list[torch.Tensor]]:
+    """``count`` page tensors in page-aligned memory, shifted by ``offset`` bytes."""
+    region = mmap.mmap(-1, count * PAGE + SLOT_ALIGN)
+    flat = torch.frombuffer(region, dtype=torch.uint8)
+    return region, [flat[offset + i * PAGE : offset + (i + 1) * PAGE] for i in range(count)]
+
+
+def fill_random(pages: list[torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for page in pages:
+        page.copy_(torch.randint(1, 256, (PAGE,), dtype=torch.uint8, generator=gen))
+
+
+def poison(pages: list[torch.Tensor]) -> None:
+    for page in pages:
+        page.fill_(0xA5)
+
+
+def resident_bytes(path: Path, start: int, length: int) -> int:
+    """Bytes of ``path`` in [start, start + length) held in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        first, last = start // mmap.PAGESIZE, -(-(start + length) // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * (last - first))()
+        assert libc.mincore(ctypes.c_void_p(address + first * mmap.PAGESIZE),
+                            ctypes.c_size_t((last - first) * mmap.PAGESIZE), vec) == 0
+        return sum(v & 1 for v in vec) * mmap.PAGESIZE
+    finally:
+        mapped.close()
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    from kvtier.tiers.remote import RemoteStore
+
+    stores = []
+
+    def make(location=None, **kw):
+        kw.setdefault("namespace", NS)
+        kw.setdefault("page_bytes", PAGE)
+        kw.setdefault("segment_bytes", 1 << 20)
+        store = RemoteStore(location or tmp_path / "store", **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@pytest.mark.parametrize("offset", [0, 64], ids=["aligned-zero-copy", "unaligned-staged"])
+def test_direct_io_round_trip_bypasses_the_page_cache(open_store, offset):
+    store = open_store()
+    assert store.stats()["direct_io"] == 1
+    _src_region, src = aligned_pages(8, offset)
+    _dst_region, dst = aligned_pages(8, offset)
+    fill_random(src, seed=offset + 1)
+    keys = [f"page-{i}" for i in range(8)]
+    assert store.put(keys, src) == [True] * 8
+    for key in keys:
+        path, _, payload = record_offsets(store, key)
+        assert resident_bytes(path, payload, PAGE) == 0  # written with O_DIRECT
+    poison(dst)
+    assert store.get(keys, dst) == [True] * 8
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    path, _, payload = record_offsets(store, keys[0])
+    assert resident_bytes(path, payload, PAGE) == 0  # read with O_DIRECT
+
+
+def test_pieces_of_odd_sizes_are_one_staged_record(open_store):
+    """Pieces of odd sizes beside aligned ones: the page moves whole through staging, one
+    record, and comes back into the same pieces."""
+    store = open_store()
+    _region, flat = aligned_pages(4)
+    sizes = [SLOT_ALIGN, 100, SLOT_ALIGN - 100, SLOT_ALIGN, SLOT_ALIGN]
+    assert sum(sizes) == PAGE
+
+    def pieces(page: torch.Tensor) -> list[tuple[int, int]]:
+        out, at = [], page.data_ptr()
+        for size in sizes:
+            out.append((at, size))
+            at += size
+        return out
+
+    fill_random(flat[:2], seed=5)
+    assert store.put(["a", "b"], [pieces(flat[0]), pieces(flat[1])]) == [True, True]
+    poison(flat[2:])
+    assert store.get(["b", "a"], [pieces(flat[2]), pieces(flat[3])]) == [True, True]
+    assert torch.equal(flat[2], flat[1]) and torch.equal(flat[3], flat[0])
+
+
+@pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
+def test_tmpfs_falls_back_to_buffered_io_and_says_so_once(open_store, tmp_path, caplog):
+    location = SHM / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.remote.segments"):
+            store = open_store(location)
+            _src_region, src = aligned_pages(6, 64)
+            _dst_region, dst = aligned_pages(6, 0)
+            fill_random(src, seed=9)
+            keys = [f"shm-{i}" for i in range(6)]
+            assert store.put(keys, src) == [True] * 6
+            poison(dst)
+            assert store.get(keys, dst) == [True] * 6
+            assert store.get(keys, dst) == [True] * 6
+        assert all(torch.equal(a, b) for a, b in zip(src, dst))
+        assert store.stats()["direct_io"] == 0
+        said = [r.getMessage() for r in caplog.records if "buffered I/O" in r.getMessage()]
+        assert len(said) == 1 and "tmpfs" in said[0]
+    finally:
+        shutil.rmtree(location, ignore_errors=True)
+
+
+def test_buffered_and_direct_stores_share_records_exactly(open_store, tmp_path):
+    """A writer with direct I/O off and a reader with it on (and back) see the same bytes:
+    the kernel keeps buffered and direct access to distinct blocks coherent."""
+    buffered = open_store(direct_io=False)
+    direct = open_store()
+    assert (buffered.stats()["direct_io"], direct.stats()["direct_io"]) == (0, 1)
+    _region, pages = aligned_pages(8)
+    fill_random(pages[:4], seed=13)
+    assert buffered.put(["x0", "x1"], pages[:2]) == [True, True]
+    assert direct.put(["y0", "y1"], pages[2:4]) == [True, True]
+    poison(pages[4:])
+    assert direct.get(["x0", "x1"], pages[4:6]) == [True, True]
+    assert buffered.get(["y0", "y1"], pages[6:8]) == [True, True]
+    assert all(torch.equal(pages[i], pages[i + 4]) for i in range(4))
+
+
+@pytest.mark.parametrize("offset", [0, 64], ids=["aligned-zero-copy", "unaligned-staged"])
+def test_a_flipped_byte_under_direct_io_is_a_miss(open_store, offset):
+    store = open_store()
+    _region, pages = aligned_pages(2, offset)
+    fill_random(pages[:1], seed=17)
+    assert store.put(["k"], pages[:1]) == [True]
+    path, _, payload = record_offsets(store, "k")
+    drop_cache(path)
+    flip_byte(path, payload + PAGE - 1)  # a buffered write the direct read must see
+    poison(pages[1:])
+    assert store.get(["k"], pages[1:]) == [False]
+    assert store.stats()["corrupt_reads"] == 1
+    assert store.contains(["k"]) == [False]
+
+
+def test_warm_calls_register_no_memory_with_nixl(open_store, monkeypatch):
+    """Header blocks, staging and the host pool are registered once; a warm 1-page get or put
+    asks NIXL for no registration."""
+    store = open_store()
+    region, pages = aligned_pages(4, 64)
+    store.register_host_memory(torch.frombuffer(region, dtype=torch.uint8))
+    fill_random(pages[:2], seed=19)
+    assert store.put(["w0"], pages[:1]) == [True]
+    assert store.get(["w0"], pages[2:3]) == [True]
+    calls = []
+    engine = store._engine
+    real = engine.register
+    monkeypatch.setattr(engine, "register", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert store.put(["w1"], pages[1:2]) == [True]
+    assert store.get(["w1"], pages[3:4]) == [True]
+    assert store.get(["w0"], pages[2:3]) == [True]
+    assert calls == []
+    assert torch.equal(pages[3], pages[1]) and torch.equal(pages[2], pages[0])
