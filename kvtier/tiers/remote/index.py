@@ -91,6 +91,7 @@ TRANSACTION_BUDGET_S = 0.002
 CHECKPOINT_EVERY_TRANSACTIONS = 64
 CHECKPOINT_EVERY_S = 1.0
 _SQL_CHUNK = 500
+NEVER = 1e300  # free_after of quarantined slots (see ``_quarantine``)
 
 _SCHEMA = """
 CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -261,6 +262,7 @@ class RemoteIndex:
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         self._db = self._reader = self._checkpointer = None
+        self._unused_slots_empty: Optional[Callable[[int, int, int], bool]] = None
         try:
             self._db = self._connect(busy_timeout_s)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -648,7 +650,8 @@ class RemoteIndex:
         request cannot fit even after evicting everything evictable. Eviction and allocation
         run in bounded transactions (see the module docstring); ``create_segment(seg,
         slot_stride, nslots)`` is called inside the transaction that adds a segment, so its file
-        exists before any other process can see the segment.
+        exists before any other process can see the segment; when it raises FileExistsError (a
+        file there holds records this index does not know) the next id is tried.
         """
         self.flush_touches()
         slots: list[SlotRef] = []
@@ -766,17 +769,45 @@ class RemoteIndex:
             if len(slots) == count:
                 break
             take = min(count - len(slots), nslots - next_unused)
+            if self._unused_slots_empty is not None and not self._unused_slots_empty(seg, next_unused, take):
+                self._quarantine(db, seg, next_unused, nslots)
+                continue
             slots.extend(SlotRef(seg, slot) for slot in range(next_unused, next_unused + take))
             db.execute("UPDATE segments SET next_unused = ? WHERE id = ?", (next_unused + take, seg))
         while len(slots) < count:
             take = min(count - len(slots), slots_per_segment)
-            seg = db.execute(
-                "INSERT INTO segments (slot_stride, nslots, next_unused) VALUES (?, ?, ?)",
-                (slot_stride, slots_per_segment, take),
-            ).lastrowid
-            create_segment(seg, slot_stride, slots_per_segment)
+            seg = db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
+            while True:
+                try:
+                    create_segment(seg, slot_stride, slots_per_segment)
+                    break
+                except FileExistsError as exc:  # records this index does not know: never reused
+                    logger.warning("%s; segment id %d skipped", exc, seg)
+                    seg += 1
+            db.execute(
+                "INSERT INTO segments VALUES (?, ?, ?, ?)", (seg, slot_stride, slots_per_segment, take)
+            )
             slots.extend(SlotRef(seg, slot) for slot in range(take))
         return slots
+
+    def watch_unused_slots(self, unused_slots_empty: Callable[[int, int, int], bool]) -> None:
+        """Before handing out never-used slots ``[first, first + count)`` of segment ``seg``,
+        ask ``unused_slots_empty(seg, first, count)`` whether they really hold no record."""
+        self._unused_slots_empty = unused_slots_empty
+
+    def _quarantine(self, db: sqlite3.Connection, seg: int, first: int, nslots: int) -> None:
+        """Slots this index believes never used hold records: it lost commits (a power loss, a
+        copy put back). The rest of the segment is never handed out (free, reusable only after
+        ``kvtier store rebuild`` brings their records back), so no durable page is overwritten."""
+        logger.warning(
+            "segment %d of %s holds records in slots %d.. the index believes unused (it lost its "
+            "last commits); those slots are left alone: %s", seg, self.path, first, recovery_hint(self.directory),
+        )
+        db.execute("UPDATE segments SET next_unused = nslots WHERE id = ?", (seg,))
+        db.executemany(
+            "INSERT INTO free_slots SELECT id, ?, slot_stride, ? FROM segments WHERE id = ?",
+            [(slot, NEVER, seg) for slot in range(first, nslots)],
+        )
 
     def publish(self, ns: bytes, entries: Sequence[PublishEntry]) -> list[bool]:
         """Make durable records visible (in bounded transactions).

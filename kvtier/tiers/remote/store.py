@@ -327,6 +327,7 @@ class RemoteStore:
                 self._medium = SegmentFiles(
                     self._engine, self.directory, self._dir_fd, modes, self._index.segment
                 )
+            self._index.watch_unused_slots(self._medium.unused_slots_empty)
             self.capacity_bytes = (
                 capacity_bytes if capacity_bytes is not None else self._default_capacity()
             )
