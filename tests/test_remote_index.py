@@ -211,8 +211,8 @@ def test_a_read_in_progress_does_not_hold_up_another_threads_read(tmp_path):
     entered, release = threading.Event(), threading.Event()
     stalled = []
 
-    def stall():
-        if threading.current_thread().name == "stalled-reader":
+    def stall():  # reads run on the index's read threads: the first read to get here stalls
+        if not entered.is_set():
             entered.set()
             release.wait(30)
         return 0

@@ -69,9 +69,11 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
+from kvtier.tiers.remote.bounded import BoundedCalls, CallTimedOut
 from kvtier.tiers.remote.errors import StoreCorrupt, StoreVersionMismatch
 from kvtier.tiers.remote.presence import RECHECK_S, PresenceCache
 
@@ -248,6 +250,11 @@ class RemoteIndex:
         self._idle_readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
         self._busy_timeout_s = busy_timeout_s
+        self._applied_timeout: dict[int, float] = {}  # id(connection) -> busy timeout it has
+        # Reads run on these threads and give up at the busy timeout (a read can sleep in the
+        # kernel on a frozen file system; see bounded.py).
+        self._reads = BoundedCalls("kvtier-remote-index-read", MAX_READERS)
+        self._touch_lock = threading.Lock()
         self._pending_touches: list[tuple[bytes, bytes]] = []
         # `present` answers keys a read found published from memory (see presence.py); the
         # write transaction in progress lists the pages it removes, and counts its bumps of
@@ -288,6 +295,7 @@ class RemoteIndex:
         db = sqlite3.connect(
             self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
+        self._applied_timeout[id(db)] = busy_timeout_s
         # SQLite's default page cache is 2 MB; an index of 100,000 pages is about 30 MB, and
         # rows of random keys touch pages all over it.
         db.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
@@ -335,6 +343,7 @@ class RemoteIndex:
                     self._readers_lock.notify()
                 raise
         try:
+            self._apply_busy_timeout(db)
             yield db
         finally:
             with self._readers_lock:
@@ -342,6 +351,7 @@ class RemoteIndex:
                 self._readers_lock.notify()
 
     def _close_connections(self) -> None:
+        self._reads.close()
         self._background.shutdown(wait=True)
         with self._readers_lock:
             readers, self._all_readers, self._idle_readers = self._all_readers, [], []
@@ -378,12 +388,22 @@ class RemoteIndex:
             db.execute("INSERT OR IGNORE INTO meta VALUES ('removals', 0)")
 
     def set_busy_timeout(self, seconds: float) -> None:
-        """How long a transaction waits for another process's write lock."""
-        with self._readers_lock:
-            self._busy_timeout_s = seconds
-            readers = [db for db in self._all_readers if db is not None]
-        for db in (self._db, self._checkpointer, *readers):
+        """How long a write waits for another thread's or process's write lock, and a read for
+        its answer (then it is a miss). Never waits itself: each connection takes the new value
+        the next time it is used (one may be inside a call a stuck disk holds)."""
+        self._busy_timeout_s = seconds
+
+    def _apply_busy_timeout(self, db: sqlite3.Connection) -> None:
+        """Give ``db`` (which this thread alone uses now) the current busy timeout."""
+        seconds = self._busy_timeout_s
+        if self._applied_timeout.get(id(db)) != seconds:
             db.execute(f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}")
+            self._applied_timeout[id(db)] = seconds
+
+    def _bounded_read(self, read: Callable[[], object]):
+        """``read()`` (which takes a reader connection) on the read threads, waiting at most
+        the busy timeout; raises CallTimedOut after it."""
+        return self._reads.run(read, self._busy_timeout_s)
 
     # ----------------------------------------------------------------- transactions
     @contextlib.contextmanager
@@ -391,7 +411,13 @@ class RemoteIndex:
         """One write transaction; BEGIN IMMEDIATE takes the database write lock up front, so two
         writers never deadlock upgrading read locks. The WAL is checkpointed after the commit,
         outside the lock (see ``_checkpoint``)."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self._busy_timeout_s):
+            raise sqlite3.OperationalError(
+                f"store index {self.path}: another thread's write has held it for over "
+                f"{self._busy_timeout_s:.3g} s (a stuck disk?)"
+            )
+        try:
+            self._apply_busy_timeout(self._db)
             start, cpu = time.monotonic(), time.thread_time()
             self._db.execute("BEGIN IMMEDIATE")
             self._txn_removed, self._txn_bumps = [], 0
@@ -417,6 +443,8 @@ class RemoteIndex:
                 self._since_checkpoint = 0
                 self._last_checkpoint = time.monotonic()
                 self._background.submit(self._checkpoint)
+        finally:
+            self._lock.release()
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database, on the index's background thread and a connection of
@@ -426,6 +454,7 @@ class RemoteIndex:
         run on the caller's thread, its fsyncs slowed the reads waiting behind it. A PASSIVE
         checkpoint waits for no reader or writer."""
         try:
+            self._apply_busy_timeout(self._checkpointer)
             self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as exc:
             logger.warning("index checkpoint of %s failed (retried later): %r", self.path, exc)
@@ -497,18 +526,27 @@ class RemoteIndex:
 
     # ----------------------------------------------------------------- reads
     def lookup(self, ns: bytes, keys: Sequence[bytes]) -> list[Optional[PageLocation]]:
-        """Location of each key's published page in namespace ``ns``, or None."""
-        found: dict[bytes, PageLocation] = {}
-        for start in range(0, len(keys), _SQL_CHUNK):
-            chunk = list(dict.fromkeys(keys[start : start + _SQL_CHUNK]))
-            with self._reading() as reader:
-                rows = reader.execute(
-                    f"SELECT key, seg, slot, length, crc, token FROM pages "
-                    f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
-                    (ns, *chunk),
-                ).fetchall()
-            for key, seg, slot, length, crc, token in rows:
-                found[key] = PageLocation(seg, slot, length, crc, token)
+        """Location of each key's published page in namespace ``ns``, or None; all None when
+        the index gives no answer within the busy timeout (a stuck disk: misses, not a wait)."""
+        def read() -> dict[bytes, PageLocation]:
+            found: dict[bytes, PageLocation] = {}
+            for start in range(0, len(keys), _SQL_CHUNK):
+                chunk = list(dict.fromkeys(keys[start : start + _SQL_CHUNK]))
+                with self._reading() as reader:
+                    rows = reader.execute(
+                        f"SELECT key, seg, slot, length, crc, token FROM pages "
+                        f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
+                        (ns, *chunk),
+                    ).fetchall()
+                for key, seg, slot, length, crc, token in rows:
+                    found[key] = PageLocation(seg, slot, length, crc, token)
+            return found
+
+        try:
+            found = self._bounded_read(read)
+        except CallTimedOut as exc:
+            logger.warning("lookup of %d keys in %s gave up: %s", len(keys), self.path, exc)
+            return [None] * len(keys)
         if len(found) < len(keys):
             self.presence.forget(ns, [key for key in keys if key not in found])
         return [found.get(key) for key in keys]
@@ -516,38 +554,52 @@ class RemoteIndex:
     def present(self, ns: bytes, keys: Sequence[bytes], length: int) -> list[bool]:
         """Whether each key has a published page of ``length`` bytes in ``ns`` (no locations).
         Keys a read found published are answered from memory (``presence``) while no process
-        has removed pages since, checked at least every ``presence.recheck_s``."""
+        has removed pages since, checked at least every ``presence.recheck_s``. Keys the index
+        gives no answer for within the busy timeout are False (a stuck disk)."""
         known = self.presence.answer(ns, length, keys)
         if known is not None:
             return known
-        found: set[bytes] = set()
-        removals = None
         read_at = time.monotonic()
-        with self._reading() as reader:
-            for start in range(0, len(keys), _SQL_CHUNK):
-                chunk = keys[start : start + _SQL_CHUNK]
-                # One statement, one snapshot: the removal counter (key NULL) with the keys.
-                rows = reader.execute(
-                    f"SELECT NULL, value FROM meta WHERE name = 'removals' UNION ALL "
-                    f"SELECT key, 0 FROM pages WHERE ns = ? AND length = ? "
-                    f"AND key IN ({','.join('?' * len(chunk))})",
-                    (ns, length, *chunk),
-                ).fetchall()
-                for key, value in rows:
-                    if key is None:
-                        removals = value if removals is None else removals
-                    else:
-                        found.add(key)
+
+        def read() -> tuple[set[bytes], Optional[int]]:
+            found: set[bytes] = set()
+            removals = None
+            with self._reading() as reader:
+                for start in range(0, len(keys), _SQL_CHUNK):
+                    chunk = keys[start : start + _SQL_CHUNK]
+                    # One statement, one snapshot: the removal counter (key NULL) with the keys.
+                    rows = reader.execute(
+                        f"SELECT NULL, value FROM meta WHERE name = 'removals' UNION ALL "
+                        f"SELECT key, 0 FROM pages WHERE ns = ? AND length = ? "
+                        f"AND key IN ({','.join('?' * len(chunk))})",
+                        (ns, length, *chunk),
+                    ).fetchall()
+                    for key, value in rows:
+                        if key is None:
+                            removals = value if removals is None else removals
+                        else:
+                            found.add(key)
+            return found, removals
+
+        try:
+            found, removals = self._bounded_read(read)
+        except CallTimedOut as exc:
+            logger.warning("presence of %d keys in %s: no answer, misses: %s", len(keys), self.path, exc)
+            return [False] * len(keys)
         if removals is not None:
             self.presence.learn(removals, read_at, ns, length, found)
         return [key in found for key in keys]
 
     def segment(self, seg: int) -> tuple[int, int]:
-        """(slot_stride, nslots) of segment ``seg``."""
-        with self._reading() as reader:
-            row = reader.execute(
-                "SELECT slot_stride, nslots FROM segments WHERE id = ?", (seg,)
-            ).fetchone()
+        """(slot_stride, nslots) of segment ``seg``; CallTimedOut (an OSError) past the busy
+        timeout."""
+        def read() -> Optional[tuple[int, int]]:
+            with self._reading() as reader:
+                return reader.execute(
+                    "SELECT slot_stride, nslots FROM segments WHERE id = ?", (seg,)
+                ).fetchone()
+
+        row = self._bounded_read(read)
         if row is None:
             raise KeyError(f"segment {seg} is not in {self.path}")
         return row
@@ -556,7 +608,7 @@ class RemoteIndex:
         """Record hits for LRU, written before this index's next write. Returns True when enough
         are buffered (``TOUCH_FLUSH_PAGES``, or older than ``TOUCH_FLUSH_S``) that the caller
         should call ``flush_touches``, from a thread of its choice."""
-        with self._lock:
+        with self._touch_lock:
             if not self._pending_touches:
                 self._oldest_touch = time.monotonic()
             self._pending_touches.extend((ns, key) for key in keys)
@@ -592,7 +644,7 @@ class RemoteIndex:
 
     def flush_touches(self) -> None:
         """Write buffered hits (in bounded transactions)."""
-        with self._lock:
+        with self._touch_lock:
             touches, self._pending_touches = self._pending_touches, []
 
         def write(db: sqlite3.Connection, step: Sequence[tuple[bytes, bytes]]) -> None:
@@ -606,18 +658,23 @@ class RemoteIndex:
 
     def stats(self, ns: bytes) -> dict[str, int]:
         """Page counts and bytes of namespace ``ns`` and of the whole store, from counters the
-        writes keep (a few rows read, whatever the store holds)."""
-        with self._reading() as db:
-            db.execute("BEGIN")
-            try:
-                meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('pages', 'used_bytes')"))
-                row = db.execute("SELECT pages, used_bytes FROM namespaces WHERE ns = ?", (ns,)).fetchone()
-                segments, allocated = db.execute(
-                    "SELECT COUNT(*), COALESCE(SUM(next_unused), 0) FROM segments"
-                ).fetchone()
-                reserved = db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0]
-            finally:
-                db.execute("COMMIT")
+        writes keep (a few rows read, whatever the store holds); CallTimedOut past the busy
+        timeout."""
+        def read() -> tuple:
+            with self._reading() as db:
+                db.execute("BEGIN")
+                try:
+                    meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('pages', 'used_bytes')"))
+                    row = db.execute("SELECT pages, used_bytes FROM namespaces WHERE ns = ?", (ns,)).fetchone()
+                    segments, allocated = db.execute(
+                        "SELECT COUNT(*), COALESCE(SUM(next_unused), 0) FROM segments"
+                    ).fetchone()
+                    reserved = db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0]
+                finally:
+                    db.execute("COMMIT")
+            return meta, row, segments, allocated, reserved
+
+        meta, row, segments, allocated, reserved = self._bounded_read(read)
         pages, used = row if row is not None else (0, 0)
         return {
             "pages": pages,
@@ -989,9 +1046,19 @@ class RemoteIndex:
             )
 
     def close(self) -> None:
-        """Write buffered hits, finish background work and close the connections."""
+        """Write buffered hits, finish background work and close the connections, waiting at
+        most the busy timeout: what a stuck disk holds then is left to the process's exit."""
+        finished = self._background.submit(self.flush_touches)
+        self._background.shutdown(wait=False)
         try:
-            self.flush_touches()
+            finished.result(timeout=self._busy_timeout_s)
+        except FutureTimeout:
+            self._reads.close()
+            logger.error(
+                "store index %s: background work still running after %.3g s (a stuck disk?); its "
+                "connections are left to the process's exit", self.path, self._busy_timeout_s,
+            )
+            return
         finally:
-            self._background.shutdown(wait=True)
-            self._close_connections()
+            if finished.done():
+                self._close_connections()
