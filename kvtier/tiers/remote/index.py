@@ -1049,10 +1049,10 @@ class RemoteIndex:
         """Write buffered hits, finish background work and close the connections, waiting at
         most the busy timeout: what a stuck disk holds then is left to the process's exit."""
         finished = self._background.submit(self.flush_touches)
-        self._background.shutdown(wait=False)
         try:
             finished.result(timeout=self._busy_timeout_s)
         except FutureTimeout:
+            self._background.shutdown(wait=False)
             self._reads.close()
             logger.error(
                 "store index %s: background work still running after %.3g s (a stuck disk?); its "
