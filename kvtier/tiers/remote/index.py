@@ -551,12 +551,13 @@ class RemoteIndex:
             self.presence.forget(ns, [key for key in keys if key not in found])
         return [found.get(key) for key in keys]
 
-    def present(self, ns: bytes, keys: Sequence[bytes], length: int) -> list[bool]:
+    def present(self, ns: bytes, keys: Sequence[bytes], length: int, fresh: bool = False) -> list[bool]:
         """Whether each key has a published page of ``length`` bytes in ``ns`` (no locations).
         Keys a read found published are answered from memory (``presence``) while no process
         has removed pages since, checked at least every ``presence.recheck_s``. Keys the index
-        gives no answer for within the busy timeout are False (a stuck disk)."""
-        known = self.presence.answer(ns, length, keys)
+        gives no answer for within the busy timeout are False (a stuck disk). ``fresh`` reads
+        the index whatever the cache knows (a writer about to skip pages it finds present)."""
+        known = None if fresh else self.presence.answer(ns, length, keys)
         if known is not None:
             return known
         read_at = time.monotonic()

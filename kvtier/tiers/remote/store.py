@@ -382,11 +382,13 @@ class RemoteStore:
         """Whether each key has a published page in this namespace (index only, no I/O)."""
         return self.contains_ids(key_ids(keys))
 
-    def contains_ids(self, ids: Sequence[bytes]) -> list[bool]:
-        """``contains`` by 16-byte key ids."""
+    def contains_ids(self, ids: Sequence[bytes], fresh: bool = False) -> list[bool]:
+        """``contains`` by 16-byte key ids; ``fresh`` asks the index itself, never what this
+        process remembers (which may be up to ``presence_recheck_s`` behind another process's
+        removal): for a writer that skips pages it finds present."""
         ids = check_ids(ids)
         with self._call():
-            return self._index.present(self._ns_fp, ids, self.page_bytes)
+            return self._index.present(self._ns_fp, ids, self.page_bytes, fresh)
 
     def exists(self, keys: Sequence[Key]) -> int:
         """Number of leading keys present, as SGLang's ``batch_exists``."""
