@@ -147,3 +147,34 @@ def test_pool_calls_return_on_a_frozen_disk(frozen_fs, gen, policy):
         assert read_back(again, stored[:8]) == {k: truth[k] for k in stored[:8]}
     finally:
         again.close()
+
+
+def test_slots_reserved_on_a_full_disk_are_released_once_it_has_room(frozen_fs):
+    """A full file system fails the write and the index commit that would release its slots:
+    the next put releases them, in the same process."""
+    mount, _, _ = frozen_fs
+    directory = mount / "store"
+    store = RemoteStore(directory, namespace="aa", page_bytes=PAGE, timeout_s=5.0,
+                        segment_bytes=64 * PAGE, capacity_bytes=64 << 20, reuse_delay_s=0.0)
+    try:
+        assert all(store.put([f"k{i}" for i in range(8)], random_pages(8, seed=4)))
+        filler = mount / "filler"
+        with open(filler, "wb") as f:  # every free block taken
+            chunk = os.urandom(1 << 20)
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError:
+                pass
+        failed = store.put([f"full{i}" for i in range(80)], random_pages(80, seed=5))
+        assert not all(failed)
+        os.unlink(filler)
+        os.sync()
+        assert all(store.put(["later"], random_pages(1, seed=6)))
+        assert store.stats()["reserved_slots"] == 0
+        out = poisoned(8)
+        assert store.get([f"k{i}" for i in range(8)], out) == [True] * 8
+        assert same(out, random_pages(8, seed=4))
+    finally:
+        store.close()

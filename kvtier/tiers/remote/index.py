@@ -255,6 +255,7 @@ class RemoteIndex:
         # kernel on a frozen file system; see bounded.py).
         self._reads = BoundedCalls("kvtier-remote-index-read", MAX_READERS)
         self._touch_lock = threading.Lock()
+        self._unreleased: list[SlotRef] = []  # releases that failed (a full disk): retried
         self._pending_touches: list[tuple[bytes, bytes]] = []
         # `present` answers keys a read found published from memory (see presence.py); the
         # write transaction in progress lists the pages it removes, and counts its bumps of
@@ -712,6 +713,7 @@ class RemoteIndex:
         file there holds records this index does not know) the next id is tried.
         """
         self.flush_touches()
+        self._retry_releases()
         slots: list[SlotRef] = []
         try:
             evicted = self._reserve(
@@ -818,6 +820,8 @@ class RemoteIndex:
         db.executemany(
             "DELETE FROM free_slots WHERE seg = ? AND slot = ?", [(s.seg, s.slot) for s in slots]
         )
+        if slots:
+            slots = self._not_published(db, slots)
         open_segments = db.execute(
             "SELECT id, nslots, next_unused FROM segments "
             "WHERE slot_stride = ? AND next_unused < nslots ORDER BY id",
@@ -847,6 +851,23 @@ class RemoteIndex:
             )
             slots.extend(SlotRef(seg, slot) for slot in range(take))
         return slots
+
+    def _not_published(self, db: sqlite3.Connection, slots: list[SlotRef]) -> list[SlotRef]:
+        """``slots`` (from the free list) without those that also hold a published page: a
+        damaged index (a flipped bit SQLite does not detect) must not hand out a slot whose
+        record is the only copy of a page. Such slots leave the free list and are logged."""
+        marks = ",".join("(?, ?)" for _ in slots)
+        taken = set(db.execute(
+            f"SELECT seg, slot FROM pages WHERE (seg, slot) IN (VALUES {marks})",
+            [v for s in slots for v in s],
+        ))
+        if not taken:
+            return slots
+        logger.error(
+            "store index %s is damaged: %d slots are both free and published (%s); they are not "
+            "reused. %s", self.path, len(taken), sorted(taken)[:5], recovery_hint(self.directory),
+        )
+        return [s for s in slots if (s.seg, s.slot) not in taken]
 
     def watch_unused_slots(self, unused_slots_empty: Callable[[int, int, int], bool]) -> None:
         """Before handing out never-used slots ``[first, first + count)`` of segment ``seg``,
@@ -940,10 +961,27 @@ class RemoteIndex:
         return rows
 
     def release(self, slots: Sequence[SlotRef]) -> None:
-        """Give back reserved slots that will not be published (failed or abandoned writes)."""
-        self._in_steps(
-            list(slots), lambda db, step: self._free(db, self._end_reservations(db, step, step), time.time())
-        )
+        """Give back reserved slots that will not be published (failed or abandoned writes).
+        When the release fails (a full disk refuses the commit), the slots are released again
+        by the next ``reserve`` of this index, and the error is raised."""
+        slots = list(slots)
+        try:
+            self._in_steps(
+                slots, lambda db, step: self._free(db, self._end_reservations(db, step, step), time.time())
+            )
+        except sqlite3.Error:
+            with self._touch_lock:  # slots released already are not ours: freeing them again is a no-op
+                self._unreleased.extend(slots)
+            raise
+
+    def _retry_releases(self) -> None:
+        with self._touch_lock:
+            pending, self._unreleased = self._unreleased, []
+        if pending:
+            try:
+                self.release(pending)
+            except sqlite3.Error as exc:
+                logger.warning("%d reserved slots of %s still not released: %r", len(pending), self.path, exc)
 
     def delete(self, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Unpublish keys of namespace ``ns``; True where a page existed."""
