@@ -22,6 +22,12 @@ each payload so a record costs 64 bytes, not a 4 KiB block, and payloads keep th
 a second descriptor for the header stream was measured and gave nothing (kernel readahead
 copes). The superblock lets ``tool.rebuild_index`` find every record without the index.
 
+A segment file is never truncated or laid out again unless the index names it or it holds no
+record: a file at a new segment's name that holds records (an index deleted, or that lost its
+last commits, or a rebuild killed midway) is left for ``kvtier store rebuild`` and the index
+takes the next id; never-used slots the index hands out are checked to hold no record header
+(``unused_slots_empty``) for the same reason.
+
 A segment file that was deleted or truncated under a running store is found by one ``fstat``
 per segment per batch: the pages it lost (all of a deleted file, those past the end of a
 truncated one) fail to read and leave the index, the others are served, and the next write

@@ -84,7 +84,8 @@ the slots after the reuse delay (an aborted write may still land). No retry: the
 decides. ``timeout_s`` is checked between polls; with Linux AIO on buffered files a poll does
 the I/O itself, so a device that hangs inside one I/O holds that poll (``use_uring`` gives
 hard timeouts). ``set_timeout`` changes it for requests already waiting too, and it also bounds
-how long a call waits for another process's index lock. ``close`` waits for calls in flight at
+how long a call waits for the index's write lock and for an index read, which then is a miss (a
+stuck disk can hold a SQLite read in the kernel; see RELIABILITY.md). ``close`` waits for calls in flight at
 most ``timeout_s`` plus half a second (their bookkeeping after the request). ``faults`` (``FaultInjector``) is a seam in this code path: tests make the
 next requests fail, time out, or pause before publication.
 
@@ -367,10 +368,11 @@ class RemoteStore:
             raise ValueError(f"timeout_s {seconds!r}; expected a number of seconds > 0")
 
     def set_timeout(self, seconds: float) -> None:
-        """Bound every NIXL request (those already waiting too) and every wait for another
-        process's index lock by ``seconds``; ``close`` waits at most this long (plus
-        ``CLOSE_GRACE_S``) for calls in flight. A pool shortens it before closing; it may be
-        called while ``close`` waits."""
+        """Bound every NIXL request (those already waiting too), every wait for the index's
+        write lock (another thread's or process's) and every index read (then a miss) by
+        ``seconds``; ``close`` waits at most this long (plus ``CLOSE_GRACE_S``) for calls in
+        flight. A pool shortens it before closing; it may be called while ``close`` waits, and
+        never waits itself (not even on a stuck disk)."""
         self._check_timeout(seconds)
         self.timeout_s = seconds
         self._engine.timeout_s = seconds
