@@ -344,9 +344,8 @@ def _check_stray_files(store: _Store, db: sqlite3.Connection, files: dict[int, s
     """Segment files the index does not name: a failure when one holds records (the only copy
     of pages the index lost: an index deleted, cut back by a power loss, or a rebuild killed);
     an empty one (left by a creation that rolled back) is only listed."""
-    known = {row[0] for row in db.execute("SELECT id FROM segments")}  # read after the scan
+    known = {row[0] for row in db.execute("SELECT id FROM segments")}
     stray = sorted(name for seg, name in files.items() if seg not in known)
-    report["stray_segment_files"] = stray
     holding = []
     for name in stray:
         try:
@@ -359,6 +358,11 @@ def _check_stray_files(store: _Store, db: sqlite3.Connection, files: dict[int, s
                 holding.append(name)
         finally:
             os.close(fd)
+    # Read again after the files: a live store writes records only into a segment whose creation
+    # has committed, so a file that held records when read and is still unknown now is stray.
+    known = {row[0] for row in db.execute("SELECT id FROM segments")}
+    report["stray_segment_files"] = [name for name in stray if int(name[:8]) not in known]
+    holding = [name for name in holding if int(name[:8]) not in known]
     if holding:
         report["problems"].append(
             f"{len(holding)} segment files the index does not name hold records ({', '.join(holding[:10])}"
