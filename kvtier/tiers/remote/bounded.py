@@ -5,7 +5,9 @@ that wait at most a deadline. A SQLite read in WAL mode writes its read mark int
 shared-memory file; on a frozen file system (``fsfreeze``, a hung device) that write faults and
 sleeps in the kernel until the thaw, and no timeout inside SQLite ends it. Here the caller gives
 up at its deadline (``CallTimedOut``) and the thread stays behind until the call returns, then
-serves again. It must never run more than ``max_threads`` calls at once (a call beyond that
+serves again. While a call that outlived its caller's deadline is still running (the disk is
+stuck), later calls wait at most ``STUCK_WAIT_S``: a stuck disk costs one caller the timeout,
+not every caller. It must never run more than ``max_threads`` calls at once (a call beyond that
 waits for a thread within its deadline), never kill or interrupt a call, and never retry one.
 """
 
@@ -17,6 +19,8 @@ from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+
+STUCK_WAIT_S = 0.05
 
 
 class CallTimedOut(TimeoutError):
@@ -33,6 +37,7 @@ class BoundedCalls:
         self._idle: list[queue.SimpleQueue] = []
         self._threads = 0
         self._closed = False
+        self._stuck = 0  # calls still running after their caller gave up
         self.timed_out = 0  # calls whose caller stopped waiting (for stats and tests)
 
     def run(self, fn: Callable[[], T], timeout_s: float) -> T:
@@ -40,6 +45,8 @@ class BoundedCalls:
         call has not returned within ``timeout_s`` seconds; re-raises what ``fn`` raised."""
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
+        if self._stuck:
+            timeout_s = min(timeout_s, STUCK_WAIT_S)
         inbox = self._take(timeout_s)
         done: Future = Future()
         inbox.put((fn, done))
@@ -50,6 +57,8 @@ class BoundedCalls:
                 raise
             with self._lock:
                 self.timed_out += 1
+                self._stuck += 1
+            done.add_done_callback(self._unstuck)
             raise CallTimedOut(f"{self.name}: no answer within {timeout_s:.3g} s") from None
 
     def _take(self, timeout_s: float) -> queue.SimpleQueue:
@@ -66,6 +75,10 @@ class BoundedCalls:
                     f"after {timeout_s:.3g} s"
                 )
             return self._idle.pop()
+
+    def _unstuck(self, _: Future) -> None:
+        with self._lock:
+            self._stuck -= 1
 
     def close(self) -> None:
         """Idle threads end now, busy ones when their call returns."""
