@@ -46,11 +46,16 @@ Rules it keeps, whatever process or thread calls it:
 - Eviction is store-wide: pages of every namespace in the directory compete for one capacity.
   Removal by namespace (``clear``) never touches another namespace.
 
-Reads (``lookup``, ``present``, ``stats``) go through a second connection with its own lock, so
-they never wait behind this process's write transactions (WAL readers see the last commit).
+Reads (``lookup``, ``present``, ``stats``) go through reader connections of their own, so they
+never wait behind this process's write transactions (WAL readers see the last commit), and run
+on the index's read threads (``bounded.py``): a read a stuck disk holds in the kernel costs its
+caller the busy timeout, then it is a miss. A writer waits for this index's lock at most the
+busy timeout too.
 
-It must never touch segment files beyond calling the ``create_segment`` callback it is given,
-and never hold its lock while a caller moves bytes.
+It must never touch segment files beyond calling the ``create_segment`` and
+``unused_slots_empty`` callbacks it is given (a segment id whose file holds records it does not
+know is skipped; never-used slots that hold records are set aside, see ``_quarantine``), and
+never hold its lock while a caller moves bytes.
 
 Durability: WAL journal with ``synchronous=NORMAL``. A commit survives a process crash; after an
 operating-system crash or power loss the last commits may be lost, which makes those pages misses
