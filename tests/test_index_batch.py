@@ -4,6 +4,7 @@ linking (SlotList.extend / discard_many) give exactly what the one-at-a-time pat
 from __future__ import annotations
 
 import os
+import sys
 import random
 import threading
 
@@ -52,6 +53,20 @@ def test_cached_ids_are_the_ids(monkeypatch):
         assert keys_mod.key_ids(batch) == [key_id(k) for k in batch]
         # Between one and two generations of keys are remembered, never more.
         assert len(keys_mod._young) < 64 and len(keys_mod._old) <= 64
+
+
+def test_the_id_cache_is_bounded_by_size_and_keeps_no_huge_key_alive():
+    keys_mod.clear_id_cache()
+    huge = [os.urandom(1 << 20) for _ in range(64)] + ["x" * (1 << 20)]
+    before = [sys.getrefcount(k) for k in huge]
+    assert keys_mod.key_ids(huge) == [key_id(k) for k in huge]
+    assert [sys.getrefcount(k) for k in huge] == before  # none is held by the cache
+    mid = [os.urandom(keys_mod.ID_CACHE_MAX_KEY) for _ in range(3000)]  # 12 MiB of cacheable keys
+    assert keys_mod.key_ids(mid) == [key_id(k) for k in mid]
+    held = sum(len(k) for k in keys_mod._young) + sum(len(k) for k in keys_mod._old)
+    assert held <= 2 * keys_mod.ID_CACHE_GENERATION_CHARS + keys_mod.ID_CACHE_MAX_KEY
+    assert keys_mod.key_ids(mid[-8:]) == [key_id(k) for k in mid[-8:]]  # recent ones still cached
+    keys_mod.clear_id_cache()
 
 
 def test_a_cached_str_key_and_its_bytes_keep_two_ids():

@@ -211,8 +211,8 @@ def test_a_read_in_progress_does_not_hold_up_another_threads_read(tmp_path):
     entered, release = threading.Event(), threading.Event()
     stalled = []
 
-    def stall():
-        if threading.current_thread().name == "stalled-reader":
+    def stall():  # reads run on the index's read threads: the first read to get here stalls
+        if not entered.is_set():
             entered.set()
             release.wait(30)
         return 0
@@ -306,3 +306,27 @@ def test_reads_beyond_max_readers_wait_for_a_free_connection(tmp_path):
     assert len(index._all_readers) == MAX_READERS
     with contextlib.closing(index):
         assert index.present(NS_A, keys[:3], PAGE) == [True] * 3
+
+
+def test_a_release_the_database_refuses_is_done_by_the_next_reserve(tmp_path):
+    """A commit refused (here another process holds SQLite's write lock past the busy timeout,
+    as a full disk refuses one) leaves the slots reserved; the next reserve releases them, in
+    the same process."""
+    import sqlite3
+
+    index = open_index(tmp_path)
+    held = reserve(index, 5).slots
+    index.set_busy_timeout(0.05)
+    other = sqlite3.connect(tmp_path / "index.sqlite3", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    with pytest.raises(sqlite3.OperationalError):
+        index.release(held)
+    other.execute("ROLLBACK")
+    other.close()
+    assert index.stats(NS_A)["reserved_slots"] == 5
+    index.set_busy_timeout(10.0)
+    again = reserve(index, 2).slots
+    assert index.stats(NS_A)["reserved_slots"] == 2
+    assert index.stats(NS_A) == exact_counts(index, NS_A)
+    index.release(again)
+    index.close()

@@ -63,19 +63,26 @@ def key_id(key: str | bytes) -> bytes:
 # again (a `match`, then a `load` of its prefix, then a `load` every step), and a dict lookup
 # costs a tenth of a BLAKE2b call. A key reaches the young generation when hashed or found in
 # the old one; a full young generation becomes the old one, so between GENERATION and twice that
-# many recent keys stay known, and nothing else. A key id is a pure function of the key (a str
-# and a bytes object are never equal as dict keys), so a race between threads can only drop an
-# entry, never give a wrong id.
+# many recent keys stay known, and nothing else. The cache is bounded by size as well as by
+# count: a generation also turns over once its keys hold ID_CACHE_GENERATION_CHARS characters
+# (or bytes), and keys longer than ID_CACHE_MAX_KEY are never cached (hashing one costs more
+# than the lookup saves anyway), so whatever keys an engine sends, the cache keeps the keys it
+# holds alive up to 2 * ID_CACHE_GENERATION_CHARS characters (16 MiB of UCS-4 text at most).
+# A key id is a pure function of the key (a str and a bytes object are never equal as dict
+# keys), so a race between threads can only drop an entry, never give a wrong id.
 ID_CACHE_GENERATION = 1 << 15
+ID_CACHE_GENERATION_CHARS = 1 << 21
+ID_CACHE_MAX_KEY = 1 << 12
 _young: dict = {}
 _old: dict = {}
 _PLAIN = {bytes, str}
+_young_chars = 0
 
 
 def clear_id_cache() -> None:
     """Forget every cached key id."""
-    global _young, _old
-    _young, _old = {}, {}
+    global _young, _old, _young_chars
+    _young, _old, _young_chars = {}, {}, 0
 
 
 def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
@@ -83,7 +90,7 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
 
     Raises TypeError / ValueError naming the first bad key and its position.
     """
-    global _young, _old
+    global _young, _old, _young_chars
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
     if type(keys) is not list and type(keys) is not tuple:
@@ -109,7 +116,8 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
             if kid is not None:
                 append(kid)
                 continue
-            kid = old_get(key)
+            size = len(key)
+            kid = old_get(key) if size <= ID_CACHE_MAX_KEY else None
             if kid is None:
                 if kind is bytes:
                     h = bytes_id.copy()
@@ -118,11 +126,14 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
                     h = str_id.copy()
                     h.update(key.encode("utf-8", "surrogatepass"))
                 kid = h.digest()
-            young[key] = kid
             append(kid)
-            if len(young) >= ID_CACHE_GENERATION:
+            if size > ID_CACHE_MAX_KEY:
+                continue
+            young[key] = kid
+            _young_chars += size
+            if len(young) >= ID_CACHE_GENERATION or _young_chars >= ID_CACHE_GENERATION_CHARS:
                 if young is _young:  # else another thread turned it over already
-                    _young, _old = {}, young
+                    _young, _old, _young_chars = {}, young, 0
                 young, old = _young, _old
                 young_get, old_get = young.get, old.get
             continue

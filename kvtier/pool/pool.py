@@ -234,7 +234,8 @@ class TieredPool(Movement, TierRoom):
                     self.remote.close()
                 raise
             self._link = RemoteLink(
-                self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup
+                self.remote, self._lock, self._changed, fmt.num_layers, remote_queue_depth, self._next_backup,
+                self._backup_stalled,
             )
         self._offloader = None
         if background_copies:

@@ -7,6 +7,12 @@ lock; its outcome is then applied under the lock by the `apply` callback the poo
 waiters are woken (`changed.notify_all()`), and only then is the ticket marked done. So once
 a ticket is done, the pool's indexes already say what the job did.
 
+A backup still inside the store past the store's `timeout_s` (plus `STALL_GRACE_S`) is reported
+to the pool at once (`on_stall`, under the lock: its breaker opens, so callers that need room stop
+waiting for it) while the call goes on; its pages stay busy until it returns, and its real
+outcome is applied then. A stuck disk can hold a write inside the kernel where no timeout
+reaches it; this keeps the engine's calls from waiting on it.
+
 The writer pulls its work: `next_batch()` (called with the lock held, may wait on `changed`)
 returns the next backup batch `(ids, buffers, apply)`, or None to stop. The reader's queue is bounded for prefetch
 hints only (`try_read`); a load's fetch always gets in. It must never decide which pages move,
@@ -19,11 +25,15 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 from kvtier.transfer.engine import Ticket
 
 log = logging.getLogger(__name__)
+
+STALL_GRACE_S = 1.0
 
 
 class RemoteTicket(Ticket):
@@ -58,8 +68,10 @@ Apply = Callable[[list[bool], "BaseException | None", float], None]
 
 class RemoteLink:
     def __init__(self, store: object, lock: threading.Lock, changed: threading.Condition, num_layers: int,
-                 queue_depth: int, next_batch: Callable[[], tuple | None]) -> None:
+                 queue_depth: int, next_batch: Callable[[], tuple | None],
+                 on_stall: Callable[[str], None] | None = None) -> None:
         self.store = store
+        self._on_stall = on_stall
         self.num_layers = num_layers
         self._lock = lock
         self._changed = changed
@@ -124,7 +136,34 @@ class RemoteLink:
             if batch is None:
                 return
             ids, buffers, apply = batch
-            self._run(RemoteTicket(self.num_layers), self.store.put_ids, ids, buffers, apply)
+            self._run(RemoteTicket(self.num_layers), self._put, ids, buffers, apply)
+
+    def _put(self, ids: list[bytes], buffers: list) -> list[bool]:
+        """`store.put_ids` on a thread of its own, reporting a stall (see the module docstring)."""
+        timeout_s = getattr(self.store, "timeout_s", None)
+        if self._on_stall is None or timeout_s is None:
+            return self.store.put_ids(ids, buffers)
+        done: Future = Future()
+
+        def call() -> None:
+            try:
+                done.set_result(self.store.put_ids(ids, buffers))
+            except BaseException as exc:  # handed to the writer thread
+                done.set_exception(exc)
+
+        threading.Thread(target=call, name="kvtier-remote-put", daemon=True).start()
+        limit = timeout_s + STALL_GRACE_S
+        try:
+            return done.result(limit)
+        except FutureTimeout:
+            if done.done():
+                raise
+        with self._lock:
+            try:
+                self._on_stall(f"remote put of {len(ids)} pages still running after {limit:.3g} s (a stuck disk?)")
+            finally:
+                self._changed.notify_all()
+        return done.result()
 
     # --- closing ---------------------------------------------------------------------------------
     def close(self, timeout_s: float) -> bool:

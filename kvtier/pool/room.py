@@ -2,7 +2,7 @@
 
 Owns how a call gets device or host slots when none are free: which pages leave (LRU front,
 clean first; dirty pages copied down or queued for backup, or, while the remote tier is down,
-dropped and counted), and what a caller waits on when nothing can leave yet. TieredPool
+dropped and counted, except a probe batch once the breaker's back-off is over), and what a caller waits on when nothing can leave yet. TieredPool
 (pool.py) inherits it; every method here runs under the pool's lock and never waits, except
 `_take_device`, which lets go of the lock while it waits for progress.
 It must never choose which keys an engine call wants, nor move bytes itself (movement.py
@@ -182,7 +182,10 @@ class TierRoom:
             if host.state[slot] == S.DIRTY:
                 if not self.write_policy.copy_on_evict(host.hits[slot]):
                     self._count_drop("selective", 1)
-                elif self._breaker.healthy:
+                elif self._breaker.healthy or (
+                        self._breaker.wait_s() == 0 and not self._backups_in_flight):
+                    # Unhealthy but its back-off is over: these pages are the probe (write-back
+                    # queues pages only here, so without it no probe would ever be sent).
                     if slot not in self._backup_queue:
                         self._backup_queue.append(slot)
                         queued += 1
@@ -217,6 +220,15 @@ class TierRoom:
             self._backup_work.notify()
         self.counters.evictions["host"] += len(free)
         return len(free) + queued
+
+    def _backup_stalled(self, reason: str) -> None:
+        """A backup is still inside the store past its timeout (the link says so, under the
+        lock): the breaker opens, so tiers that need room drop what cannot be made durable
+        instead of waiting for it. Its pages stay busy until it returns."""
+        was_healthy = self._breaker.healthy
+        self._breaker.record(False, reason)
+        if was_healthy:
+            log.warning("remote tier writes stall (%s); backing off, pages stay in the host tier", reason)
 
     def _count_drop(self, reason: str, n: int) -> None:
         self.counters.dropped[reason] += n

@@ -149,6 +149,28 @@ def test_rewriting_a_stored_page_is_skipped_and_counted(tmp_path, gen):
     backend.close()
 
 
+def test_a_set_skips_no_page_another_handle_just_removed(tmp_path, gen):
+    """The presence cache still says the pages are stored (another handle cleared them 1 ms
+    ago): batch_set asks the index itself, writes them again, and True means stored."""
+    pool = make_host_pool()
+    writer = make_backend(storage_config(tmp_path), pool)
+    other = make_backend(storage_config(tmp_path), pool)
+    keys = keys_for("removed", 8)
+    idx = pool.alloc(8 * PAGE)
+    fill_pages(pool, idx, gen)
+    expected = [page_bytes(pool, int(idx[i * PAGE])) for i in range(8)]
+    assert writer.batch_set_v1(keys, idx) == [True] * 8
+    assert writer.batch_exists(keys) == 8  # now in the writer's presence cache
+    assert other.clear()
+    assert writer.batch_set_v1(keys, idx) == [True] * 8
+    out = pool.alloc(8 * PAGE)
+    poison_pages(pool, out)
+    assert other.batch_get_v1(keys, out) == [True] * 8
+    assert [page_bytes(pool, int(out[i * PAGE])) for i in range(8)] == expected
+    writer.close()
+    other.close()
+
+
 def test_only_the_storage_writer_writes_replicated_mla(tmp_path, gen):
     """MLA KV is replicated across TP: rank 1 is not the writer, answers True, stores nothing."""
     pool = make_host_pool("mla", "page_first")

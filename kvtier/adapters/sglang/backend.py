@@ -473,7 +473,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             ids = key_ids(keys)
             buffers = lane.page_buffers(host_indices, count)
-            present = lane.store.contains_ids(ids)
+            # Pages found present are skipped and reported stored: asked of the index itself,
+            # not the presence cache, which may not yet know another handle removed them.
+            present = lane.store.contains_ids(ids, fresh=True)
             missing = [i for i in range(count) if not present[i]]
             written = lane.store.put_ids([ids[i] for i in missing], [buffers[i] for i in missing]) if missing else []
         except Exception as exc:

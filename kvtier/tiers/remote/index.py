@@ -46,11 +46,16 @@ Rules it keeps, whatever process or thread calls it:
 - Eviction is store-wide: pages of every namespace in the directory compete for one capacity.
   Removal by namespace (``clear``) never touches another namespace.
 
-Reads (``lookup``, ``present``, ``stats``) go through a second connection with its own lock, so
-they never wait behind this process's write transactions (WAL readers see the last commit).
+Reads (``lookup``, ``present``, ``stats``) go through reader connections of their own, so they
+never wait behind this process's write transactions (WAL readers see the last commit), and run
+on the index's read threads (``bounded.py``): a read a stuck disk holds in the kernel costs its
+caller the busy timeout, then it is a miss. A writer waits for this index's lock at most the
+busy timeout too.
 
-It must never touch segment files beyond calling the ``create_segment`` callback it is given,
-and never hold its lock while a caller moves bytes.
+It must never touch segment files beyond calling the ``create_segment`` and
+``unused_slots_empty`` callbacks it is given (a segment id whose file holds records it does not
+know is skipped; never-used slots that hold records are set aside, see ``_quarantine``), and
+never hold its lock while a caller moves bytes.
 
 Durability: WAL journal with ``synchronous=NORMAL``. A commit survives a process crash; after an
 operating-system crash or power loss the last commits may be lost, which makes those pages misses
@@ -69,10 +74,13 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
+from kvtier.tiers.remote.bounded import BoundedCalls
 from kvtier.tiers.remote.errors import StoreCorrupt, StoreVersionMismatch
+from kvtier.tiers.remote.index_reads import _SQL_CHUNK, MAX_READERS, IndexReads, PageLocation  # noqa: F401 (PageLocation: re-exported)
 from kvtier.tiers.remote.presence import RECHECK_S, PresenceCache
 
 logger = logging.getLogger(__name__)
@@ -84,13 +92,10 @@ RECLAIM_INTERVAL_S = 30.0
 ROWS_PER_TRANSACTION = 256
 STEP_ROWS = 16
 CACHE_KIB = 64 << 10
-# Reader connections an index opens at most (each may cache up to CACHE_KIB of the database):
-# reads beyond that many at once wait for one to come free.
-MAX_READERS = 4
 TRANSACTION_BUDGET_S = 0.002
 CHECKPOINT_EVERY_TRANSACTIONS = 64
 CHECKPOINT_EVERY_S = 1.0
-_SQL_CHUNK = 500
+NEVER = 1e300  # free_after of quarantined slots (see ``_quarantine``)
 
 _SCHEMA = """
 CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -147,15 +152,6 @@ class SlotRef(NamedTuple):
     seg: int
     slot: int
 
-
-class PageLocation(NamedTuple):
-    """Where a published page lives and what its record must say."""
-
-    seg: int
-    slot: int
-    length: int
-    crc: int
-    token: int
 
 
 class PublishEntry(NamedTuple):
@@ -223,7 +219,7 @@ def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
         yield items[start : start + size]
 
 
-class RemoteIndex:
+class RemoteIndex(IndexReads):
     """The SQLite index of one store directory, shared by every process that opens it."""
 
     def __init__(
@@ -250,6 +246,12 @@ class RemoteIndex:
         self._idle_readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
         self._busy_timeout_s = busy_timeout_s
+        self._applied_timeout: dict[int, float] = {}  # id(connection) -> busy timeout it has
+        # Reads run on these threads and give up at the busy timeout (a read can sleep in the
+        # kernel on a frozen file system; see bounded.py).
+        self._reads = BoundedCalls("kvtier-remote-index-read", MAX_READERS)
+        self._touch_lock = threading.Lock()
+        self._unreleased: list[SlotRef] = []  # releases that failed (a full disk): retried
         self._pending_touches: list[tuple[bytes, bytes]] = []
         # `present` answers keys a read found published from memory (see presence.py); the
         # write transaction in progress lists the pages it removes, and counts its bumps of
@@ -264,6 +266,7 @@ class RemoteIndex:
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         self._db = self._reader = self._checkpointer = None
+        self._unused_slots_empty: Optional[Callable[[int, int, int], bool]] = None
         try:
             self._db = self._connect(busy_timeout_s)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -289,60 +292,14 @@ class RemoteIndex:
         db = sqlite3.connect(
             self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
+        self._applied_timeout[id(db)] = busy_timeout_s
         # SQLite's default page cache is 2 MB; an index of 100,000 pages is about 30 MB, and
         # rows of random keys touch pages all over it.
         db.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
         return db
 
-    def _open_reader(self, placeholder: bool = False) -> sqlite3.Connection:
-        """A new read-only connection, listed for closing (in place of a None the caller listed
-        when `placeholder`)."""
-        db = self._connect(self._busy_timeout_s)
-        try:
-            db.execute("PRAGMA query_only=1")
-        except BaseException:
-            db.close()
-            raise
-        with self._readers_lock:
-            if not placeholder:
-                self._all_readers.append(db)
-                return db
-            if None in self._all_readers:
-                self._all_readers[self._all_readers.index(None)] = db
-                return db
-        db.close()  # the index closed meanwhile
-        raise RuntimeError(f"store index {self.path} is closed")
-
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[sqlite3.Connection]:
-        """A reader connection for this thread alone during one read: an idle one (the most
-        recently used, so one thread keeps reusing one), else a new one kept for later reads,
-        else (MAX_READERS open and busy) the first to come free."""
-        db = None
-        with self._readers_lock:
-            while not self._idle_readers and len(self._all_readers) >= MAX_READERS:
-                self._readers_lock.wait()
-            if self._idle_readers:
-                db = self._idle_readers.pop()
-            else:
-                self._all_readers.append(None)  # the place of the one opened below, outside the lock
-        if db is None:
-            try:
-                db = self._open_reader(placeholder=True)
-            except BaseException:
-                with self._readers_lock:
-                    if None in self._all_readers:
-                        self._all_readers.remove(None)
-                    self._readers_lock.notify()
-                raise
-        try:
-            yield db
-        finally:
-            with self._readers_lock:
-                self._idle_readers.append(db)
-                self._readers_lock.notify()
-
     def _close_connections(self) -> None:
+        self._reads.close()
         self._background.shutdown(wait=True)
         with self._readers_lock:
             readers, self._all_readers, self._idle_readers = self._all_readers, [], []
@@ -381,12 +338,17 @@ class RemoteIndex:
             db.execute(_LABELS_TABLE)
 
     def set_busy_timeout(self, seconds: float) -> None:
-        """How long a transaction waits for another process's write lock."""
-        with self._readers_lock:
-            self._busy_timeout_s = seconds
-            readers = [db for db in self._all_readers if db is not None]
-        for db in (self._db, self._checkpointer, *readers):
+        """How long a write waits for another thread's or process's write lock, and a read for
+        its answer (then it is a miss). Never waits itself: each connection takes the new value
+        the next time it is used (one may be inside a call a stuck disk holds)."""
+        self._busy_timeout_s = seconds
+
+    def _apply_busy_timeout(self, db: sqlite3.Connection) -> None:
+        """Give ``db`` (which this thread alone uses now) the current busy timeout."""
+        seconds = self._busy_timeout_s
+        if self._applied_timeout.get(id(db)) != seconds:
             db.execute(f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}")
+            self._applied_timeout[id(db)] = seconds
 
     # ----------------------------------------------------------------- transactions
     @contextlib.contextmanager
@@ -394,7 +356,13 @@ class RemoteIndex:
         """One write transaction; BEGIN IMMEDIATE takes the database write lock up front, so two
         writers never deadlock upgrading read locks. The WAL is checkpointed after the commit,
         outside the lock (see ``_checkpoint``)."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self._busy_timeout_s):
+            raise sqlite3.OperationalError(
+                f"store index {self.path}: another thread's write has held it for over "
+                f"{self._busy_timeout_s:.3g} s (a stuck disk?)"
+            )
+        try:
+            self._apply_busy_timeout(self._db)
             start, cpu = time.monotonic(), time.thread_time()
             self._db.execute("BEGIN IMMEDIATE")
             self._txn_removed, self._txn_bumps = [], 0
@@ -420,6 +388,8 @@ class RemoteIndex:
                 self._since_checkpoint = 0
                 self._last_checkpoint = time.monotonic()
                 self._background.submit(self._checkpoint)
+        finally:
+            self._lock.release()
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database, on the index's background thread and a connection of
@@ -429,6 +399,7 @@ class RemoteIndex:
         run on the caller's thread, its fsyncs slowed the reads waiting behind it. A PASSIVE
         checkpoint waits for no reader or writer."""
         try:
+            self._apply_busy_timeout(self._checkpointer)
             self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as exc:
             logger.warning("index checkpoint of %s failed (retried later): %r", self.path, exc)
@@ -498,68 +469,11 @@ class RemoteIndex:
         self._txn_bumps += 1
         self._txn_removed.extend((r[0], r[1]) for r in rows)
 
-    # ----------------------------------------------------------------- reads
-    def lookup(self, ns: bytes, keys: Sequence[bytes]) -> list[Optional[PageLocation]]:
-        """Location of each key's published page in namespace ``ns``, or None."""
-        found: dict[bytes, PageLocation] = {}
-        for start in range(0, len(keys), _SQL_CHUNK):
-            chunk = list(dict.fromkeys(keys[start : start + _SQL_CHUNK]))
-            with self._reading() as reader:
-                rows = reader.execute(
-                    f"SELECT key, seg, slot, length, crc, token FROM pages "
-                    f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
-                    (ns, *chunk),
-                ).fetchall()
-            for key, seg, slot, length, crc, token in rows:
-                found[key] = PageLocation(seg, slot, length, crc, token)
-        if len(found) < len(keys):
-            self.presence.forget(ns, [key for key in keys if key not in found])
-        return [found.get(key) for key in keys]
-
-    def present(self, ns: bytes, keys: Sequence[bytes], length: int) -> list[bool]:
-        """Whether each key has a published page of ``length`` bytes in ``ns`` (no locations).
-        Keys a read found published are answered from memory (``presence``) while no process
-        has removed pages since, checked at least every ``presence.recheck_s``."""
-        known = self.presence.answer(ns, length, keys)
-        if known is not None:
-            return known
-        found: set[bytes] = set()
-        removals = None
-        read_at = time.monotonic()
-        with self._reading() as reader:
-            for start in range(0, len(keys), _SQL_CHUNK):
-                chunk = keys[start : start + _SQL_CHUNK]
-                # One statement, one snapshot: the removal counter (key NULL) with the keys.
-                rows = reader.execute(
-                    f"SELECT NULL, value FROM meta WHERE name = 'removals' UNION ALL "
-                    f"SELECT key, 0 FROM pages WHERE ns = ? AND length = ? "
-                    f"AND key IN ({','.join('?' * len(chunk))})",
-                    (ns, length, *chunk),
-                ).fetchall()
-                for key, value in rows:
-                    if key is None:
-                        removals = value if removals is None else removals
-                    else:
-                        found.add(key)
-        if removals is not None:
-            self.presence.learn(removals, read_at, ns, length, found)
-        return [key in found for key in keys]
-
-    def segment(self, seg: int) -> tuple[int, int]:
-        """(slot_stride, nslots) of segment ``seg``."""
-        with self._reading() as reader:
-            row = reader.execute(
-                "SELECT slot_stride, nslots FROM segments WHERE id = ?", (seg,)
-            ).fetchone()
-        if row is None:
-            raise KeyError(f"segment {seg} is not in {self.path}")
-        return row
-
     def touch(self, ns: bytes, keys: Iterable[bytes]) -> bool:
         """Record hits for LRU, written before this index's next write. Returns True when enough
         are buffered (``TOUCH_FLUSH_PAGES``, or older than ``TOUCH_FLUSH_S``) that the caller
         should call ``flush_touches``, from a thread of its choice."""
-        with self._lock:
+        with self._touch_lock:
             if not self._pending_touches:
                 self._oldest_touch = time.monotonic()
             self._pending_touches.extend((ns, key) for key in keys)
@@ -595,7 +509,7 @@ class RemoteIndex:
 
     def flush_touches(self) -> None:
         """Write buffered hits (in bounded transactions)."""
-        with self._lock:
+        with self._touch_lock:
             touches, self._pending_touches = self._pending_touches, []
 
         def write(db: sqlite3.Connection, step: Sequence[tuple[bytes, bytes]]) -> None:
@@ -621,31 +535,6 @@ class RemoteIndex:
         with self._reading() as db:
             return namespace_rows(db)
 
-    def stats(self, ns: bytes) -> dict[str, int]:
-        """Page counts and bytes of namespace ``ns`` and of the whole store, from counters the
-        writes keep (a few rows read, whatever the store holds)."""
-        with self._reading() as db:
-            db.execute("BEGIN")
-            try:
-                meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('pages', 'used_bytes')"))
-                row = db.execute("SELECT pages, used_bytes FROM namespaces WHERE ns = ?", (ns,)).fetchone()
-                segments, allocated = db.execute(
-                    "SELECT COUNT(*), COALESCE(SUM(next_unused), 0) FROM segments"
-                ).fetchone()
-                reserved = db.execute("SELECT COUNT(*) FROM reservations").fetchone()[0]
-            finally:
-                db.execute("COMMIT")
-        pages, used = row if row is not None else (0, 0)
-        return {
-            "pages": pages,
-            "used_bytes": used,
-            "store_pages": meta["pages"],
-            "store_used_bytes": meta["used_bytes"],
-            "reserved_slots": reserved,
-            "free_slots": allocated - meta["pages"] - reserved,
-            "segments": segments,
-        }
-
     # ----------------------------------------------------------------- writes
     def reserve(
         self,
@@ -667,9 +556,11 @@ class RemoteIndex:
         request cannot fit even after evicting everything evictable. Eviction and allocation
         run in bounded transactions (see the module docstring); ``create_segment(seg,
         slot_stride, nslots)`` is called inside the transaction that adds a segment, so its file
-        exists before any other process can see the segment.
+        exists before any other process can see the segment; when it raises FileExistsError (a
+        file there holds records this index does not know) the next id is tried.
         """
         self.flush_touches()
+        self._retry_releases()
         slots: list[SlotRef] = []
         try:
             evicted = self._reserve(
@@ -776,6 +667,8 @@ class RemoteIndex:
         db.executemany(
             "DELETE FROM free_slots WHERE seg = ? AND slot = ?", [(s.seg, s.slot) for s in slots]
         )
+        if slots:
+            slots = self._not_published(db, slots)
         open_segments = db.execute(
             "SELECT id, nslots, next_unused FROM segments "
             "WHERE slot_stride = ? AND next_unused < nslots ORDER BY id",
@@ -785,17 +678,62 @@ class RemoteIndex:
             if len(slots) == count:
                 break
             take = min(count - len(slots), nslots - next_unused)
+            if self._unused_slots_empty is not None and not self._unused_slots_empty(seg, next_unused, take):
+                self._quarantine(db, seg, next_unused, nslots)
+                continue
             slots.extend(SlotRef(seg, slot) for slot in range(next_unused, next_unused + take))
             db.execute("UPDATE segments SET next_unused = ? WHERE id = ?", (next_unused + take, seg))
         while len(slots) < count:
             take = min(count - len(slots), slots_per_segment)
-            seg = db.execute(
-                "INSERT INTO segments (slot_stride, nslots, next_unused) VALUES (?, ?, ?)",
-                (slot_stride, slots_per_segment, take),
-            ).lastrowid
-            create_segment(seg, slot_stride, slots_per_segment)
+            seg = db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
+            while True:
+                try:
+                    create_segment(seg, slot_stride, slots_per_segment)
+                    break
+                except FileExistsError as exc:  # records this index does not know: never reused
+                    logger.warning("%s; segment id %d skipped", exc, seg)
+                    seg += 1
+            db.execute(
+                "INSERT INTO segments VALUES (?, ?, ?, ?)", (seg, slot_stride, slots_per_segment, take)
+            )
             slots.extend(SlotRef(seg, slot) for slot in range(take))
         return slots
+
+    def _not_published(self, db: sqlite3.Connection, slots: list[SlotRef]) -> list[SlotRef]:
+        """``slots`` (from the free list) without those that also hold a published page: a
+        damaged index (a flipped bit SQLite does not detect) must not hand out a slot whose
+        record is the only copy of a page. Such slots leave the free list and are logged."""
+        marks = ",".join("(?, ?)" for _ in slots)
+        taken = set(db.execute(
+            f"SELECT seg, slot FROM pages WHERE (seg, slot) IN (VALUES {marks})",
+            [v for s in slots for v in s],
+        ))
+        if not taken:
+            return slots
+        logger.error(
+            "store index %s is damaged: %d slots are both free and published (%s); they are not "
+            "reused. %s", self.path, len(taken), sorted(taken)[:5], recovery_hint(self.directory),
+        )
+        return [s for s in slots if (s.seg, s.slot) not in taken]
+
+    def watch_unused_slots(self, unused_slots_empty: Callable[[int, int, int], bool]) -> None:
+        """Before handing out never-used slots ``[first, first + count)`` of segment ``seg``,
+        ask ``unused_slots_empty(seg, first, count)`` whether they really hold no record."""
+        self._unused_slots_empty = unused_slots_empty
+
+    def _quarantine(self, db: sqlite3.Connection, seg: int, first: int, nslots: int) -> None:
+        """Slots this index believes never used hold records: it lost commits (a power loss, a
+        copy put back). The rest of the segment is never handed out (free, reusable only after
+        ``kvtier store rebuild`` brings their records back), so no durable page is overwritten."""
+        logger.warning(
+            "segment %d of %s holds records in slots %d.. the index believes unused (it lost its "
+            "last commits); those slots are left alone: %s", seg, self.path, first, recovery_hint(self.directory),
+        )
+        db.execute("UPDATE segments SET next_unused = nslots WHERE id = ?", (seg,))
+        db.executemany(
+            "INSERT INTO free_slots SELECT id, ?, slot_stride, ? FROM segments WHERE id = ?",
+            [(slot, NEVER, seg) for slot in range(first, nslots)],
+        )
 
     def publish(self, ns: bytes, entries: Sequence[PublishEntry]) -> list[bool]:
         """Make durable records visible (in bounded transactions).
@@ -870,10 +808,27 @@ class RemoteIndex:
         return rows
 
     def release(self, slots: Sequence[SlotRef]) -> None:
-        """Give back reserved slots that will not be published (failed or abandoned writes)."""
-        self._in_steps(
-            list(slots), lambda db, step: self._free(db, self._end_reservations(db, step, step), time.time())
-        )
+        """Give back reserved slots that will not be published (failed or abandoned writes).
+        When the release fails (a full disk refuses the commit), the slots are released again
+        by the next ``reserve`` of this index, and the error is raised."""
+        slots = list(slots)
+        try:
+            self._in_steps(
+                slots, lambda db, step: self._free(db, self._end_reservations(db, step, step), time.time())
+            )
+        except sqlite3.Error:
+            with self._touch_lock:  # slots released already are not ours: freeing them again is a no-op
+                self._unreleased.extend(slots)
+            raise
+
+    def _retry_releases(self) -> None:
+        with self._touch_lock:
+            pending, self._unreleased = self._unreleased, []
+        if pending:
+            try:
+                self.release(pending)
+            except sqlite3.Error as exc:
+                logger.warning("%d reserved slots of %s still not released: %r", len(pending), self.path, exc)
 
     def delete(self, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Unpublish keys of namespace ``ns``; True where a page existed."""
@@ -977,12 +932,22 @@ class RemoteIndex:
             )
 
     def close(self) -> None:
-        """Write buffered hits, finish background work and close the connections."""
+        """Write buffered hits, finish background work and close the connections, waiting at
+        most the busy timeout: what a stuck disk holds then is left to the process's exit."""
+        finished = self._background.submit(self.flush_touches)
         try:
-            self.flush_touches()
+            finished.result(timeout=self._busy_timeout_s)
+        except FutureTimeout:
+            self._background.shutdown(wait=False)
+            self._reads.close()
+            logger.error(
+                "store index %s: background work still running after %.3g s (a stuck disk?); its "
+                "connections are left to the process's exit", self.path, self._busy_timeout_s,
+            )
+            return
         finally:
-            self._background.shutdown(wait=True)
-            self._close_connections()
+            if finished.done():
+                self._close_connections()
 
 
 def stored_labels(db: sqlite3.Connection) -> dict[bytes, str]:

@@ -34,6 +34,12 @@ kernel keeps the two coherent for distinct blocks (a direct read writes back dir
 pages of its range first, a direct write invalidates them). ``fdatasync`` of either descriptor
 makes the whole file durable.
 
+A segment file is never truncated or laid out again unless the index names it or it holds no
+record: a file at a new segment's name that holds records (an index deleted, or that lost its
+last commits, or a rebuild killed midway) is left for ``kvtier store rebuild`` and the index
+takes the next id; never-used slots the index hands out are checked to hold no record header
+(``unused_slots_empty``) for the same reason.
+
 A segment file that was deleted or truncated under a running store is found by one ``fstat``
 per segment per batch: the pages it lost (all of a deleted file, those past the end of a
 truncated one) fail to read and leave the index, the others are served, and the next write
@@ -74,6 +80,7 @@ SEGMENT_MAGIC = b"KVTS"
 SUPERBLOCK_BYTES = SLOT_ALIGN
 _SUPERBLOCK = struct.Struct("<4sHHQQQ")
 _SUPERBLOCK_CRC = struct.Struct("<I")
+_ZERO_CHECK_BYTES = 1 << 16
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -165,6 +172,30 @@ def _file_system_magic(path: str) -> Optional[int]:
     if statfs(os.fsencode(path), buffer) != 0:
         return None
     return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def holds_no_record(fd: int, nslots: int) -> bool:
+    """Whether segment file ``fd`` certainly holds no record: empty, or every byte of its header
+    table zero (the table's size from its superblock, else from ``nslots``), and its superblock
+    valid or zero. Reads stop at the first non-zero header byte."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return True
+    head = os.pread(fd, SUPERBLOCK_BYTES, 0)
+    superblock = parse_superblock(head)
+    if superblock is None and head.count(0) != len(head):
+        return False
+    table = header_table_bytes(superblock.nslots if superblock is not None else nslots)
+    end = min(size, SUPERBLOCK_BYTES + table)
+    offset = SUPERBLOCK_BYTES
+    while offset < end:
+        chunk = os.pread(fd, min(_ZERO_CHECK_BYTES, end - offset), offset)
+        if not chunk:
+            break
+        if chunk.count(0) != len(chunk):
+            return False
+        offset += len(chunk)
+    return True
 
 
 @dataclass
@@ -269,18 +300,48 @@ class SegmentFiles:
 
     def create(self, seg: int, slot_stride: int, nslots: int) -> None:
         """Create segment ``seg``'s file, sparse, at full size (called inside the index
-        transaction that allocates the segment, so it exists before anyone can use it)."""
+        transaction that allocates the segment, so it exists before anyone can use it).
+
+        A file already at that name is laid out afresh only when it holds no record (left by a
+        creation whose index transaction rolled back). One that holds records is a segment the
+        index does not know (an index deleted, or that lost its last commits, or a rebuild cut
+        short): its records may be the only copy of durable pages, so it is left untouched and
+        FileExistsError tells the index to take another id; ``kvtier store rebuild`` brings
+        them back."""
         try:
             fd = create_file(self._dir_fd, segment_name(seg), self._file(seg), self._modes)
         except FileExistsError:
-            # Left by a creation whose index transaction rolled back: no record in it is
-            # published, so it is laid out afresh.
             fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDWR, self._file(seg))
+            try:
+                if not holds_no_record(fd, nslots):
+                    raise FileExistsError(
+                        errno.EEXIST,
+                        f"segment file {self._file(seg)} holds records the store index does not "
+                        f"know; left untouched (`kvtier store rebuild {os.path.dirname(self.path)}` "
+                        "brings them back)",
+                    )
+            except BaseException:
+                os.close(fd)
+                raise
         try:
             self._lay_out(fd, seg, slot_stride, nslots)
         finally:
             os.close(fd)
         os.fsync(self._dir_fd)  # the new name survives a power loss before any record does
+
+    def unused_slots_empty(self, seg: int, first: int, count: int) -> bool:
+        """Whether slots ``[first, first + count)`` of ``seg`` hold no record header (the index
+        asks before handing out slots it believes never used). Read with a plain descriptor of
+        its own: the store's may be opened for direct I/O."""
+        try:
+            fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDONLY, self._file(seg))
+        except FileNotFoundError:
+            return True  # nothing there to overwrite; the write lays the file out again
+        try:
+            raw = os.pread(fd, count * HEADER_BYTES, header_offset(first))
+        finally:
+            os.close(fd)
+        return raw.count(0) == len(raw)
 
     @staticmethod
     def _lay_out(fd: int, seg: int, slot_stride: int, nslots: int) -> None:
@@ -465,6 +526,10 @@ class SlotObjects:
 
     def create(self, seg: int, slot_stride: int, nslots: int) -> None:
         """Objects come into being when written; nothing to create."""
+
+    def unused_slots_empty(self, seg: int, first: int, count: int) -> bool:
+        """Not checked for objects (see RELIABILITY.md's limits)."""
+        return True
 
     def _device(self, slot: SlotRef, length: int) -> int:
         dev = (slot.seg << 32) | slot.slot

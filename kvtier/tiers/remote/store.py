@@ -90,7 +90,8 @@ the slots after the reuse delay (an aborted write may still land). No retry: the
 decides. ``timeout_s`` is checked between polls; with Linux AIO on buffered files a poll does
 the I/O itself, so a device that hangs inside one I/O holds that poll (``use_uring`` gives
 hard timeouts). ``set_timeout`` changes it for requests already waiting too, and it also bounds
-how long a call waits for another process's index lock. ``close`` waits for calls in flight at
+how long a call waits for the index's write lock and for an index read, which then is a miss (a
+stuck disk can hold a SQLite read in the kernel; see RELIABILITY.md). ``close`` waits for calls in flight at
 most ``timeout_s`` plus half a second (their bookkeeping after the request). ``faults`` (``FaultInjector``) is a seam in this code path: tests make the
 next requests fail, time out, or pause before publication.
 
@@ -342,6 +343,7 @@ class RemoteStore:
                     self._engine, self.directory, self._dir_fd, modes, self._index.segment,
                     direct_io=direct_io,
                 )
+            self._index.watch_unused_slots(self._medium.unused_slots_empty)
             self.capacity_bytes = (
                 capacity_bytes if capacity_bytes is not None else self._default_capacity()
             )
@@ -408,10 +410,11 @@ class RemoteStore:
             raise ValueError(f"timeout_s {seconds!r}; expected a number of seconds > 0")
 
     def set_timeout(self, seconds: float) -> None:
-        """Bound every NIXL request (those already waiting too) and every wait for another
-        process's index lock by ``seconds``; ``close`` waits at most this long (plus
-        ``CLOSE_GRACE_S``) for calls in flight. A pool shortens it before closing; it may be
-        called while ``close`` waits."""
+        """Bound every NIXL request (those already waiting too), every wait for the index's
+        write lock (another thread's or process's) and every index read (then a miss) by
+        ``seconds``; ``close`` waits at most this long (plus ``CLOSE_GRACE_S``) for calls in
+        flight. A pool shortens it before closing; it may be called while ``close`` waits, and
+        never waits itself (not even on a stuck disk)."""
         self._check_timeout(seconds)
         self.timeout_s = seconds
         self._engine.timeout_s = seconds
@@ -423,11 +426,13 @@ class RemoteStore:
         """Whether each key has a published page in this namespace (index only, no I/O)."""
         return self.contains_ids(key_ids(keys))
 
-    def contains_ids(self, ids: Sequence[bytes]) -> list[bool]:
-        """``contains`` by 16-byte key ids."""
+    def contains_ids(self, ids: Sequence[bytes], fresh: bool = False) -> list[bool]:
+        """``contains`` by 16-byte key ids; ``fresh`` asks the index itself, never what this
+        process remembers (which may be up to ``presence_recheck_s`` behind another process's
+        removal): for a writer that skips pages it finds present."""
         ids = check_ids(ids)
         with self._call():
-            return self._index.present(self._ns_fp, ids, self.page_bytes)
+            return self._index.present(self._ns_fp, ids, self.page_bytes, fresh)
 
     def exists(self, keys: Sequence[Key]) -> int:
         """Number of leading keys present, as SGLang's ``batch_exists``."""

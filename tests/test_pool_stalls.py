@@ -1,0 +1,91 @@
+"""The pool on a remote tier that fails or stalls: the write-back breaker closes by itself once
+the store is healthy, and a write held inside the store (the fault seam's mid-request hook, as a
+stuck disk holds one) opens the breaker at the store's timeout, so no engine call waits for it.
+Real NIXL store, real files, real threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier import prefix_keys
+from tests.test_pool_faults import make_pool, read_back, write
+
+pytest.importorskip("nixl_cu13")
+
+
+@pytest.mark.parametrize("fault", ["error", "error_after_io", "timeout", "enospc"])
+def test_the_write_back_breaker_closes_by_itself_after_the_store_heals(tmp_path, gen, fault):
+    """Three failed write requests open the breaker; with a healthy store again and no flush,
+    evictions send a probe once the back-off is over and the breaker closes, and later pages
+    are made durable rather than dropped."""
+    pool = make_pool(tmp_path, write_policy="write_back", remote_backoff_s=0.05, remote_backoff_max_s=0.2)
+    pool.remote.set_timeout(0.5)
+    pool.remote.faults.arm(fault, count=3, op="WRITE")
+    truth: dict = {}
+    batch = 0
+    opened_at = closed_at = None
+    deadline = time.monotonic() + 60
+    while closed_at is None and time.monotonic() < deadline:
+        keys = prefix_keys(np.arange(32 * batch, 32 * batch + 32), 8, pool.namespace)  # 4 pages
+        truth.update(write(pool, keys, gen))
+        batch += 1
+        state = pool.stats()["remote_breaker"]
+        if opened_at is None and state != "closed":
+            opened_at = batch
+        elif opened_at is not None and state == "closed":
+            closed_at = batch
+        time.sleep(0.01)
+    assert opened_at is not None, "the faults never opened the breaker"
+    assert closed_at is not None, "the breaker never closed without a flush"
+    dropped_before = pool.stats()["dropped"].get("remote_unavailable", 0)
+    later = prefix_keys(np.arange(900_000, 900_000 + 32 * 40), 8, pool.namespace)
+    for i in range(0, len(later), 4):
+        truth.update(write(pool, later[i : i + 4], gen))
+    assert pool.stats()["dropped"].get("remote_unavailable", 0) == dropped_before  # healthy: none
+    assert pool.flush() == 0
+    assert read_back(pool, later[-8:]) == {k: truth[k] for k in later[-8:]}
+    pool.close()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_a_write_held_inside_the_store_does_not_hold_the_engine(tmp_path, gen, policy):
+    """The store's write request is held (as a stuck disk holds it): allocate, commit, match
+    and close each return within the store's timeout plus their own, and pages written before
+    stay readable bit for bit."""
+    pool = make_pool(tmp_path, write_policy=policy, remote_backoff_s=0.05)
+    pool.remote.set_timeout(0.5)
+    early = prefix_keys(np.arange(0, 8 * 16), 8, pool.namespace)  # 16 pages
+    truth: dict = {}
+    for i in range(0, 16, 4):
+        truth.update(write(pool, early[i : i + 4], gen))
+    assert pool.flush() == 0
+    held, release = threading.Event(), threading.Event()
+
+    def hold(op: str) -> None:
+        if op == "WRITE":
+            held.set()
+            release.wait(60)
+
+    pool.remote.faults.mid_request = hold
+    try:
+        longest = 0.0
+        for batch in range(40):
+            keys = prefix_keys(np.arange(1000 + 32 * batch, 1032 + 32 * batch), 8, pool.namespace)
+            start = time.monotonic()
+            write(pool, keys, gen)
+            pool.match(keys + early)
+            longest = max(longest, time.monotonic() - start)
+        assert held.is_set(), "no write reached the store"
+        assert longest < 10, f"an engine call waited {longest:.1f} s behind a held write"
+        start = time.monotonic()
+        pool.close(timeout_s=1.0)
+        assert time.monotonic() - start < 10
+    finally:
+        release.set()
+        pool.remote.faults.mid_request = None
+    with make_pool(tmp_path, write_policy=policy) as again:
+        assert read_back(again, early[:8]) == {k: truth[k] for k in early[:8]}
