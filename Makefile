@@ -6,8 +6,12 @@ VENV ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
+# make test runs the suite on TEST_WORKERS processes (pytest-xdist) without the tests marked
+# stress (the long thread, process and fault-injection runs); make stress runs those. CI runs both.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
-.PHONY: demo test bench clean gpu-sglang-kit
+.PHONY: demo test stress bench clean gpu-sglang-kit
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -24,7 +28,10 @@ demo: $(STAMP)
 	$(PY) examples/decode_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST) -m "not stress"
+
+stress: $(STAMP)
+	$(PYTEST) -m stress
 
 bench: $(STAMP)
 	$(PY) benchmarks/pool_overhead.py

@@ -29,12 +29,16 @@ from kvtier import TieredPool
 from kvtier.decode.model import DecoderConfig, PagedKV, TinyDecoder
 from kvtier.decode.runner import DecodeRunner, RunStats, shared_prefix_workload
 
-# (model, workload, tiers) per machine: the CPU sizes keep the interpreted kernel to about a minute.
+# (model, workload, tiers) per machine. On the CPU every attention call runs in Triton's
+# interpreter, one program (a Python loop over numpy tiles) per (token row, kv head): a short turn
+# after cached pages is one row per new token, so the user turns and the generated tokens are what
+# the CPU run's time grows with; the tiers stay small enough that prompts still go through host
+# and remote and come back from both.
 SIZES = {
     "cpu": dict(
         model=DecoderConfig(vocab=512, hidden=256, layers=4, q_heads=8, kv_heads=2, head_dim=64, ffn=512),
-        page_size=16, requests=12, batch=2, system_prompts=4, system_tokens=128, user_tokens=24, new_tokens=6,
-        skew=0.0, device_pages=24, host_pages=32,
+        page_size=16, requests=9, batch=2, system_prompts=3, system_tokens=128, user_tokens=8, new_tokens=4,
+        skew=0.0, device_pages=20, host_pages=16,
     ),
     "cuda": dict(
         model=DecoderConfig(vocab=32000, hidden=2048, layers=8, q_heads=16, kv_heads=4, head_dim=128, ffn=5632),

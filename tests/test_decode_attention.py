@@ -146,7 +146,11 @@ FP8_CASES = [(dt, sc) for dt, sc in PAGE_DTYPE_SCALES if dt.startswith("fp8")]
 
 
 @pytest.mark.parametrize("dtype,scale", FP8_CASES)
-@pytest.mark.parametrize("q_mult,v_mult", [(1.0, 1.0), (3e5, 1e-4), (2e-5, 4e3)])
+# The extreme magnitudes are the longest interpreter sweep of the suite: make stress runs them.
+@pytest.mark.parametrize(
+    "q_mult,v_mult",
+    [(1.0, 1.0), pytest.param(3e5, 1e-4, marks=pytest.mark.stress), pytest.param(2e-5, 4e3, marks=pytest.mark.stress)],
+)
 def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
     """Both dot dtypes for fp8 pages, with queries far outside fp16's range (or deep in its
     subnormals) and V's scales far from 1: the fp16 dots rescale the query by a power of two and

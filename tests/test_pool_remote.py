@@ -160,7 +160,7 @@ def test_a_caller_owned_store_must_match_the_pool(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("slow_writes", [False, True], ids=["", "slow_writes"])
+@pytest.mark.parametrize("slow_writes", [False, pytest.param(True, marks=pytest.mark.stress)], ids=["", "slow_writes"])
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_threads_with_a_remote_tier_never_lose_or_mix_pages(tmp_path, policy, slow_writes):
     pool = make_pool(tmp_path, write_policy=policy, device_pages=64, host_pages=96)

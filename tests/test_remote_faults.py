@@ -437,6 +437,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.stress
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_fault_scenario_serves_no_wrong_page_and_loses_no_durable_page(tmp_path, name):
