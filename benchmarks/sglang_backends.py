@@ -117,10 +117,11 @@ def record_format(dtype: torch.dtype, layers: int) -> None:
     record_kv_format("target", model, dtype)
 
 
-def host_pool(dtype: torch.dtype, layout: str, layers: int, pages: int, pin_memory: bool):
+def host_pool(dtype: torch.dtype, layout: str, layers: int, heads: int, head_dim: int, pages: int,
+              pin_memory: bool):
     with host_memory_budget_scope(1 << 40):
         device = MHATokenToKVPool(
-            size=pages * PAGE, page_size=PAGE, dtype=dtype, head_num=8, head_dim=128,
+            size=pages * PAGE, page_size=PAGE, dtype=dtype, head_num=heads, head_dim=head_dim,
             layer_num=layers, device="cpu", enable_memory_saver=False,
         )
         info = device.get_device_pool_infos()[0].buffer_info
@@ -310,22 +311,25 @@ def main() -> None:
     logging.getLogger("nixl").setLevel(logging.ERROR)
     backends = args.backends.split(",")
     if args.quick:
-        cells = [("bf16", "page_first", 8, [1, 8, 64]), ("fp8", "layer_first", 8, [1, 8, 64])]
+        cells = [("bf16", "page_first", 8, 8, [1, 8, 64]), ("fp8", "layer_first", 8, 8, [1, 8, 64])]
         runs = args.runs or 1
     else:
-        cells = [(d, l, 8, [1, 8, 64, 512]) for d in ("bf16", "fp8") for l in ("page_first", "layer_first")]
-        cells.append(("bf16", "page_first", 32, [1, 8, 64]))
+        cells = [(d, l, 8, 8, [1, 8, 64, 512]) for d in ("bf16", "fp8") for l in ("page_first", "layer_first")]
+        cells.append(("bf16", "page_first", 32, 8, [1, 8, 64]))
         runs = args.runs or 3
+    # Tiny pages (1 kv head of 32: 64 KiB a page, 4 KiB pieces layer_first): the fixed cost of a call.
+    cells += [("bf16", "page_first", 8, 1, [1, 128]), ("bf16", "layer_first", 8, 1, [1, 128])]
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="sglang-backends-", dir=Path(__file__).parent))
     rng = np.random.default_rng(0)
     rows = []
     print(f"kvtier from {Path(kvtier.__file__).parent}; dir {base}", flush=True)
     try:
-        for dtype, layout, layers, batches in cells:
+        for dtype, layout, layers, heads, batches in cells:
             record_format(DTYPES[dtype], layers)
-            pool = host_pool(DTYPES[dtype], layout, layers, 2 * max(batches) + 1, args.pin_memory)
+            head_dim = 128 if heads == 8 else 32
+            pool = host_pool(DTYPES[dtype], layout, layers, heads, head_dim, 2 * max(batches) + 1, args.pin_memory)
             page_bytes = sum(int(s) for s in pool.get_page_buffer_meta(torch.arange(PAGE))[1])
-            model = f"bench-{dtype}-{layout}-{layers}"
+            model = f"bench-{dtype}-{layout}-{layers}-{heads}"
             ctrls = {}
             for name in backends:
                 path = str(base / f"{model}-{name}")
@@ -352,7 +356,7 @@ def main() -> None:
                         samples[name].append(run_cell(name, ctrl, raw, pool, batch, tokens, src, dst, path))
                 for name in backends:
                     med = {k: statistics.median(s[k] for s in samples[name]) for k in samples[name][0]}
-                    row = {"backend": name, "dtype": dtype, "layout": layout, "layers": layers,
+                    row = {"backend": name, "dtype": dtype, "layout": layout, "layers": layers, "kv_heads": heads,
                            "batch": batch, "page_bytes": page_bytes, "runs": runs, **med}
                     rows.append(row)
                     print(format_row(row), flush=True)
@@ -391,7 +395,7 @@ def _version(package: str) -> str:
 
 def format_row(row: dict) -> str:
     n, mib = row["batch"], row["batch"] * row["page_bytes"] / 2**20
-    parts = [f"{row['backend']:>6} {row['dtype']} {row['layout']:<11} L{row['layers']:<2} x{n:<4}"]
+    parts = [f"{row['backend']:>6} {row['dtype']} {row['layout']:<11} L{row['layers']:<2} H{row['kv_heads']} x{n:<4}"]
     for op in ("set", "get_cold", "get_warm"):
         parts.append(f"{op} {mib / row[op + '_s'] / 1024:5.2f} GiB/s")
     parts.append(f"set+fsync {mib / row['set_fsync_s'] / 1024:5.2f}")
@@ -403,7 +407,7 @@ def format_row(row: dict) -> str:
 
 def ratio_table(rows: list[dict]) -> str:
     """kvtier / peer speed (wall) and CPU per page, per cell."""
-    by = {(r["dtype"], r["layout"], r["layers"], r["batch"], r["backend"]): r for r in rows}
+    by = {(r["dtype"], r["layout"], (r["layers"], r["kv_heads"]), r["batch"], r["backend"]): r for r in rows}
     lines = ["| cell | pages | get cold kvtier/nixl | /file | /raw | get warm /nixl | set+fsync /nixl | /file "
              "| CPU us/page get kvtier, file, nixl | set | exists |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -421,7 +425,7 @@ def ratio_table(rows: list[dict]) -> str:
             return ", ".join(f"{v[op + '_cpu_s'] / batch * 1e6:.0f}" if v else "-" for v in vals)
 
         lines.append(
-            f"| {dtype} {layout} L{layers} | {batch} | {speed('nixl', 'get_cold_s')} | {speed('file', 'get_cold_s')} "
+            f"| {dtype} {layout} L{layers[0]} H{layers[1]} {r['page_bytes'] >> 10} KiB | {batch} | {speed('nixl', 'get_cold_s')} | {speed('file', 'get_cold_s')} "
             f"| {speed('raw', 'get_cold_s')} | {speed('nixl', 'get_warm_s')} | {speed('nixl', 'set_fsync_s')} "
             f"| {speed('file', 'set_fsync_s')} | {cpu('get_warm')} | {cpu('set')} | {cpu('exists')} |"
         )
