@@ -1,7 +1,8 @@
 """The remote tier: a durable page store shared by the processes of one host, on NIXL.
 
-``RemoteStore`` (``store``) is the public face; ``index`` (SQLite slot index), ``segments``
-(segment files and the OBJ medium), ``records`` (record format, checksums, MAC), ``buffers``
+``RemoteStore`` (``store``) is the public face; ``index`` (SQLite slot index), ``datapath``
+(a batch's records between caller memory and the medium: requests, checksums, direct I/O),
+``segments`` (segment files and the OBJ medium), ``records`` (record format, checksums, MAC), ``buffers``
 (caller memory as pages of pieces), ``nixl`` (the NIXL agent), ``paths`` (directory layout and
 safety), ``faults`` (the test seam) and ``errors`` are its parts; ``tool`` checks a store and
 rebuilds its index (imported on demand, not here).
