@@ -28,6 +28,10 @@ Environment: ``KVTIER_<KEY>`` sets a top-level key (``KVTIER_HOST_BYTES=64GiB``,
 (``KVTIER_FORMAT_DTYPE=fp8``), ``KVTIER_CONFIG`` names the file read when no configuration
 is given. An empty ``KVTIER_REMOTE`` turns the remote tier off.
 
+The cluster tier (Mooncake Store, kvtier.tiers.cluster): ``cluster`` is the mooncake_master's
+``host:port``; ``cluster_<field>`` sets a ClusterSettings field (``cluster_metadata_server``,
+``cluster_protocol``, ``cluster_segment_bytes``, ...; ``KVTIER_CLUSTER_PROTOCOL=tcp``).
+
 Values: sizes (keys ending in ``_bytes``) take ints or human sizes, "64GiB", "512MiB",
 "1.5GB", "4096" (B, KB/MB/GB/TB/PB = powers of 1000, KiB/MiB/GiB/TiB/PiB = powers of
 1024, whole bytes); keys ending in ``_s`` take seconds; booleans take true/false, 1/0,
@@ -182,6 +186,14 @@ def _remote(value: Any, where: str) -> str | os.PathLike | None:
     raise ConfigError(f"{where}: expected a directory or file:// URL (or empty for none), got {value!r}")
 
 
+def _cluster(value: Any, where: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: expected the 'host:port' of a mooncake_master (or empty for none), got {value!r}")
+
+
 def _dtype(value: Any, where: str) -> str:
     try:
         return canonical_dtype(value, where)
@@ -216,6 +228,7 @@ NAMED: dict[str, Converter] = {
     "name": _text,
     "rank": _integer(0),
     "remote": _remote,
+    "cluster": _cluster,
     "remote_backend": _text,
     "remote_backend_params": _string_map,
     "remote_object_prefix": _text,
@@ -289,7 +302,25 @@ def pool_options() -> dict[str, Converter]:
                 convert = NAMED.get(key) or _by_suffix(name, param.default)
                 if convert is not None:
                     options[key] = convert
+    # The cluster tier's settings (kvtier.tiers.cluster.ClusterSettings) as cluster_<field>;
+    # pool_kwargs folds them into the pool's one `cluster` keyword.
+    from kvtier.tiers.cluster.settings import ClusterSettings
+
+    for field in dataclasses.fields(ClusterSettings):
+        if field.name not in ("master", "mac_key"):
+            options[f"cluster_{field.name}"] = _by_suffix(field.name, field.default)
     return options
+
+
+def _fold_cluster(kwargs: dict[str, Any], where: str) -> None:
+    """cluster_<field> keys into the pool's `cluster` keyword (a mapping of ClusterSettings fields)."""
+    fields = {key[len("cluster_"):]: kwargs.pop(key) for key in [k for k in kwargs if k.startswith("cluster_")]}
+    if not fields:
+        return
+    if kwargs.get("cluster") is None:
+        raise ConfigError(f"{where}: cluster_{sorted(fields)[0]} is set but 'cluster' (the mooncake_master address) is not")
+    if isinstance(kwargs["cluster"], str):
+        kwargs["cluster"] = {"master": kwargs["cluster"], **fields}
 
 
 def _unknown(key: str, where: str, options: Mapping[str, Converter]) -> ConfigError:
@@ -433,10 +464,13 @@ def pool_kwargs(config: Mapping[str, Any] | str | os.PathLike | None = None, **o
             kwargs[key] = value
         elif key == "remote" and value is not None and not isinstance(value, (str, os.PathLike)):
             kwargs[key] = value  # a RemoteStore the caller owns
+        elif key == "cluster" and value is not None and not isinstance(value, str):
+            kwargs[key] = value  # ClusterSettings or a mapping of its fields
         elif key in options:
             kwargs[key] = options[key](value, f"keyword {key!r}")
         else:
             raise _unknown(key, f"keyword {key!r}", options)
+    _fold_cluster(kwargs, where)
     if "fmt" not in kwargs:
         if section is None and not env_format:
             raise ConfigError(f"{where} 'format' is missing: give a format table or pass fmt=PageFormat(...)")

@@ -61,7 +61,7 @@ class Master:
                 [str(self.binary), f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
                  "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
                  f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
-                 "-default_kv_lease_ttl=100", "-logtostderr"],
+                 "-default_kv_lease_ttl=100", "-client_ttl=2", "-logtostderr"],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 30
