@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import fill_random, poison, small_format, snapshot
 from mooncake_master import Master, mooncake_master  # noqa: F401  (the fixture)
@@ -21,6 +23,7 @@ from mooncake_master import Master, mooncake_master  # noqa: F401  (the fixture)
 from kvtier import TieredPool
 from kvtier.config import ConfigError, pool_kwargs
 from kvtier.index.keys import key_ids
+from kvtier.metrics import exposition
 
 HERE = Path(__file__).resolve().parent
 FORMAT = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 32, "page_size": 8, "dtype": "fp8_e4m3", "scale": "per_page_head"}
@@ -98,8 +101,8 @@ def test_cluster_alone_without_a_local_store(mooncake_master):
         reader.close()
 
 
-def _pool(master: Master, **settings) -> TieredPool:
-    pool = TieredPool(small_format(), device_pages=64, host_pages=64, cluster=master.settings(**settings), registry=None)
+def _pool(master: Master, registry=None, **settings) -> TieredPool:
+    pool = TieredPool(small_format(), device_pages=64, host_pages=64, cluster=master.settings(**settings), registry=registry)
     assert pool.remote.client.wait_connected(30), pool.remote.client.last_error
     return pool
 
@@ -122,8 +125,16 @@ def _load(pool: TieredPool, keys: list[str]) -> list[tuple[bytes, bytes]]:
     return pages
 
 
+def _samples(registry) -> dict:
+    text = generate_latest(registry).decode()
+    assert text == exposition(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_master_killed_mid_run_degrades_to_local_tiers_and_recovers_after_restart(mooncake_master, caplog):
-    writer, reader = _pool(mooncake_master), _pool(mooncake_master)
+    registry = CollectorRegistry()
+    writer, reader = _pool(mooncake_master, registry), _pool(mooncake_master)
     try:
         before = [f"before/{i}" for i in range(8)]
         _commit(writer, before, seed=4)
@@ -142,6 +153,11 @@ def test_master_killed_mid_run_degrades_to_local_tiers_and_recovers_after_restar
         assert stats["breaker_opens"] >= 1 and stats["breaker_state"] != "closed"
         assert stats["write_failures"] + stats["skipped_writes"] >= 1
         assert "cluster tier unavailable" in caplog.text
+        samples = _samples(registry)
+        labels = (("model", "default"), ("pool", writer.name), ("rank", "0"), ("tier", "cluster"))
+        assert samples[("kvtier_tier_breaker_opens_total", labels)] == stats["breaker_opens"]
+        assert samples[("kvtier_tier_breaker_state", labels)] in (1, 2)
+        assert samples[("kvtier_tier_writes_total", tuple(sorted(labels + (("outcome", "written"),))))] == 8
         mooncake_master.start()  # a restarted master holds nothing: old pages are misses
         after = [f"after/{i}" for i in range(8)]
         deadline = time.monotonic() + 60

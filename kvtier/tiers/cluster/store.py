@@ -243,6 +243,7 @@ class ClusterStore:
         """The cluster's counters under "cluster" (beside a local store's own in a chain)."""
         return {"cluster": {**self.counters, "get_seconds": self.seconds["get"], "put_seconds": self.seconds["put"],
                 "exists_seconds": self.seconds["exists"], "breaker_state": self.breaker_state,
+                "breaker_code": int(self._breaker.state),
                 "connected": int(self.client.connected)}}
 
     def close(self) -> None:
