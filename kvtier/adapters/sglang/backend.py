@@ -63,7 +63,9 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.adapters.sglang import metrics
 from kvtier.adapters.sglang.namespace import pool_namespace, resolve_kv_format
 from kvtier.adapters.sglang.settings import BackendSettings
+from kvtier.config import cluster_from_environment
 from kvtier.index.keys import key_ids
+from kvtier.tiers.cluster import open_cluster
 from kvtier.tiers.remote import RemoteStore
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
+        # The cluster tier (Mooncake Store) behind each lane's store: kvtier.config's `cluster`
+        # keys, from KVTIER_CLUSTER / KVTIER_CLUSTER_<SETTING>.
+        self._cluster = cluster_from_environment()
         self.storage_config = storage_config
         os.makedirs(_directory(self.settings.path), exist_ok=True)
         self.registered_pools = {}
@@ -223,6 +228,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 backend_params=dict(self.settings.nixl_backend_params),
                 timeout_s=self.settings.timeout_s,
             )
+            if self._cluster is not None:
+                store = open_cluster(self._cluster, store, True, namespace=namespace, page_bytes=sum(piece_sizes))
             try:
                 for region in regions:
                     store.register_host_memory(region)

@@ -90,6 +90,11 @@ class ChainedStore:
         self.cluster.delete_ids(ids)
         return self.local.delete_ids(ids)
 
+    def clear(self) -> int:
+        """Empty the local store and this namespace's objects in the cluster; the local count."""
+        self.cluster.clear()
+        return self.local.clear()
+
     def register_host_memory(self, buffer) -> None:
         self.local.register_host_memory(buffer)
         self.cluster.register_host_memory(buffer)

@@ -14,6 +14,7 @@ store's breaker decides when to try again.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 from typing import Sequence
@@ -156,6 +157,10 @@ class MooncakeClient:
     def remove(self, keys: list[str]) -> list[int]:
         """Remove objects now, leases notwithstanding (a record found bad must go at once)."""
         return list(self._live().batch_remove(keys, True))
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every object whose key starts with `prefix`; how many (< 0: Mooncake's error)."""
+        return int(self._live().remove_by_regex("^" + re.escape(prefix), True))
 
     def close(self) -> None:
         self._closed.set()

@@ -232,6 +232,10 @@ class ClusterStore:
         codes = self.client.remove([self.object_key(k) for k in ids])
         return [c == 0 for c in codes]
 
+    def clear(self) -> int:
+        """Remove every object of this namespace from the cluster; how many went."""
+        return max(0, self.client.remove_prefix(self._prefix))
+
     # --- memory, stats, closing ---------------------------------------------------------------------
     def register_host_memory(self, buffer) -> None:
         self.client.register(*pointer(buffer, "host memory"))
