@@ -1,9 +1,10 @@
 """The Mooncake Store client: one connection to a cluster, made in the background.
 
 Owns loading ``mooncake.store``, the connection (``setup`` against the master), the host memory
-registered with it, and the translation of Mooncake's return codes. The first connection is
-made on a thread of its own, retried with back-off while the master cannot be reached: Mooncake's
-``setup`` waits about 90 s for a master that is down, and a pool must open at once. Until it is
+registered with it, and the translation of Mooncake's return codes. A master whose port
+answers is joined in the constructor (``setup`` takes tens of ms); otherwise the connection is
+made on a thread of its own, retried with back-off: Mooncake's ``setup`` waits about 90 s for a
+master that is down, and a pool must open at once. Until it is
 connected every call raises ``ClusterUnavailable``. Once connected, Mooncake's client reconnects
 by itself after the master restarts (its heartbeat; about a second here).
 
@@ -59,7 +60,8 @@ class MooncakeClient:
         self.connects = 0
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._connect_loop, name="kvtier-cluster-connect", daemon=True)
-        self._thread.start()
+        if not self._attempt():  # a master that is up is joined at once; one that is not, later
+            self._thread.start()
 
     # --- connection --------------------------------------------------------------------------
     @property
@@ -68,7 +70,8 @@ class MooncakeClient:
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Wait until connected (tests, tools); False after `timeout_s`."""
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
         return self.connected
 
     def _master_answers(self) -> bool:
@@ -80,30 +83,32 @@ class MooncakeClient:
             self.last_error = f"master {host}:{port} does not answer: {exc}"
             return False
 
+    def _attempt(self) -> bool:
+        """One connection attempt: setup only once the master's port answers."""
+        if not self._master_answers():
+            return False
+        store = self._cls()
+        s = self.settings
+        rc = store.setup(s.hostname(), s.metadata_server, s.segment_bytes, s.local_buffer_bytes,
+                         s.protocol, s.device_name, s.master_address())
+        if rc != 0:
+            self.last_error = f"mooncake setup against {s.master_address()} returned {rc}"
+            return False
+        with self._lock:
+            if self._closed.is_set():
+                store.close()
+                return True
+            for ptr, nbytes in self._buffers.items():
+                self._register(store, ptr, nbytes)
+            self._store = store
+            self.connects += 1
+        log.info("cluster tier connected to mooncake_master %s", s.master_address())
+        return True
+
     def _connect_loop(self) -> None:
-        wait, logged = 0.05, False
-        while not self._closed.is_set():
-            if self._master_answers():
-                store = self._cls()
-                s = self.settings
-                rc = store.setup(s.hostname(), s.metadata_server, s.segment_bytes, s.local_buffer_bytes,
-                                 s.protocol, s.device_name, s.master_address())
-                if rc == 0:
-                    with self._lock:
-                        if self._closed.is_set():
-                            store.close()
-                            return
-                        for ptr, nbytes in self._buffers.items():
-                            self._register(store, ptr, nbytes)
-                        self._store = store
-                        self.connects += 1
-                    log.info("cluster tier connected to mooncake_master %s", s.master_address())
-                    return
-                self.last_error = f"mooncake setup against {s.master_address()} returned {rc}"
-            if not logged:
-                log.warning("cluster tier not connected yet (%s); retrying in the background", self.last_error)
-                logged = True
-            self._closed.wait(wait)
+        wait = 0.05
+        log.warning("cluster tier not connected yet (%s); retrying in the background", self.last_error)
+        while not self._closed.wait(wait) and not self._attempt():
             wait = min(_RETRY_MAX_S, wait * 2)
 
     def _live(self):
@@ -166,7 +171,8 @@ class MooncakeClient:
         self._closed.set()
         # A setup in progress against a master that went away can take Mooncake's own 90 s: the
         # thread is left to finish it and sees `_closed` then.
-        self._thread.join(self.settings.connect_timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(self.settings.connect_timeout_s)
         with self._lock:
             store, self._store = self._store, None
             if store is not None:
