@@ -4,7 +4,7 @@ One real mooncake_master on loopback (started here, TCP, its HTTP metadata serve
 MHA host pool (page_first) on the CPU, and per system a writer and a reader backend, each its own
 Mooncake client lending its own segment, created by SGLang's StorageBackendFactory and registered
 with the host pool as SGLang's cache controller does. Each batch of 1-512 pages is written by
-`batch_set_v1` (fresh keys), asked by `batch_exists` and read by `batch_get_v1` into poisoned host
+`batch_set_v1` (fresh keys; the cluster is emptied between batch sizes), asked by `batch_exists` and read by `batch_get_v1` into poisoned host
 pages by the reader, which then checks every page byte for byte. Reported: CPU time of the whole
 process per page (Mooncake's transfer threads included), and wall time per call, medians.
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "sglang")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "sglang")]
 
 import torch  # noqa: E402
 from mooncake_master import Master  # noqa: E402
@@ -86,7 +86,7 @@ def page_view(pool, index: torch.Tensor) -> bytes:
     return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
 
 
-def run_system(kind: str, master: Master, args, workdir: Path) -> list[dict]:
+def run_system(kind: str, master: Master, args, workdir: Path, janitor) -> list[dict]:
     page = args.page_tokens
     size = (max(BATCHES) + 8) * page
     pool_w = make_host_pool("mha", "page_first", layers=args.layers, heads=args.heads, head_dim=args.head_dim,
@@ -122,6 +122,7 @@ def run_system(kind: str, master: Master, args, workdir: Path) -> list[dict]:
                "exists_cpu_us_per_page": exists_cpu / n * 1e6, "put_wall_ms": put_wall * 1e3,
                "get_wall_ms": get_wall * 1e3, "exists_wall_ms": exists_wall * 1e3}
         rows.append(row)
+        janitor.remove_all()  # every system starts each batch size on an empty cluster
         print(f"{kind:16} {n:4} pages  put {row['put_cpu_us_per_page']:8.1f}  get {row['get_cpu_us_per_page']:8.1f}  "
               f"exists {row['exists_cpu_us_per_page']:7.2f} µs CPU/page | wall put {row['put_wall_ms']:7.2f} "
               f"get {row['get_wall_ms']:7.2f} exists {row['exists_wall_ms']:6.2f} ms  exact={exact}", flush=True)
@@ -146,12 +147,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         master = Master(Path(tmp))
         master.start()
+        from mooncake.store import MooncakeDistributedStore
+
+        janitor = MooncakeDistributedStore()  # lends nothing; empties the cluster between runs
+        assert janitor.setup("127.0.0.1", master.metadata_server, 0, 16 << 20, "tcp", "", master.address) == 0
         try:
             for round in range(args.rounds):
                 for kind in args.systems.split(","):
-                    for row in run_system(kind, master, args, Path(tmp) / f"r{round}"):
+                    for row in run_system(kind, master, args, Path(tmp) / f"r{round}", janitor):
                         rows.append({**row, "round": round})
         finally:
+            janitor.close()
             master.stop()
     import mooncake
     import sglang

@@ -152,6 +152,14 @@ class MooncakeClient:
         """Bytes read per object, < 0 for a miss."""
         return self._check(self._live().batch_get_into_multi_buffers(keys, ptrs, sizes), "batch_get_into_multi_buffers")
 
+    def put_flat(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """`put` with one buffer an object."""
+        return self._check(self._live().batch_put_from(keys, ptrs, sizes), "batch_put_from")
+
+    def get_flat(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """`get` with one buffer an object."""
+        return self._check(self._live().batch_get_into(keys, ptrs, sizes), "batch_get_into")
+
     def exists(self, keys: list[str]) -> list[int]:
         """1 per object present, 0 absent."""
         codes = self._live().batch_is_exist(keys)

@@ -27,6 +27,9 @@ class ClusterSettings:
     segment_bytes: host memory this process lends to the cluster (Mooncake keeps objects in
     the segments its clients lend; 0 lends none, for a process that only reads and writes).
     local_buffer_bytes: Mooncake's own staging buffer (zero-copy transfers barely use it).
+    staging_bytes: registered memory (per direction) in which objects are assembled and
+    checked, so that each moves as one buffer; 0 moves them zero-copy as slices (store.py says
+    which wins where).
     object_prefix: first part of every object key, before the namespace.
     connect_timeout_s: how long one attempt to reach the master may take.
     mac_key: bytes that key the record MAC (as RemoteStore's); every host of one cluster
@@ -40,6 +43,7 @@ class ClusterSettings:
     local_hostname: str = ""
     segment_bytes: int = 512 << 20
     local_buffer_bytes: int = 16 << 20
+    staging_bytes: int = 32 << 20
     object_prefix: str = "kvtier"
     connect_timeout_s: float = 2.0
     mac_key: Optional[bytes] = None
@@ -48,7 +52,7 @@ class ClusterSettings:
         host, port = self.master_host_port()
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"cluster protocol {self.protocol!r}; expected 'tcp' or 'rdma'")
-        for name in ("segment_bytes", "local_buffer_bytes"):
+        for name in ("segment_bytes", "local_buffer_bytes", "staging_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"cluster {name}={value!r}; expected a byte count >= 0")
