@@ -43,7 +43,7 @@ import numpy as np
 from kvtier.pool.breaker import CircuitBreaker
 from kvtier.tiers.cluster.client import BUFFER_TOO_SMALL, OBJECT_NOT_FOUND, ClusterUnavailable, MooncakeClient
 from kvtier.tiers.cluster.settings import ClusterSettings
-from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
+from kvtier.tiers.remote.buffers import Buffer, pointer, view
 from kvtier.tiers.remote.records import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -152,7 +152,7 @@ class ClusterStore:
 
     def put_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         """Write pages as records; False for a page not written (counted), never an exception."""
-        pages = PageBuffers(buffers, len(ids), self.page_bytes)
+        pages = self._page_pieces(buffers, len(ids))
         if not ids:
             return []
         if not self._allow():
@@ -171,14 +171,14 @@ class ClusterStore:
         self.seconds["put"] += time.perf_counter() - start
         return out
 
-    def _put_chunk(self, ids, pages: PageBuffers, lo: int, hi: int) -> list[bool]:
+    def _put_chunk(self, ids, pages: list, lo: int, hi: int) -> list[bool]:
         area, keys = self._put_area, [self.object_key(k) for k in ids[lo:hi]]
         with area.lock:
             if self.staged:  # header and page bytes side by side: one buffer an object
                 for row, (page, token) in enumerate(zip(range(lo, hi), new_tokens(hi - lo))):
                     at = row * area.stride
                     offset = area.base + at + HEADER_BYTES
-                    for ptr, nbytes in self._pieces(pages, page):
+                    for ptr, nbytes in pages[page]:
                         ctypes.memmove(offset, ptr, nbytes)
                         offset += nbytes
                     payload = area.view[at + HEADER_BYTES : at + area.stride]
@@ -188,9 +188,9 @@ class ClusterStore:
             else:  # zero-copy: the header and the page's pieces are slices of one object
                 ptrs, sizes = [], []
                 for row, (page, token) in enumerate(zip(range(lo, hi), new_tokens(hi - lo))):
-                    _, header = self._codec.seal(ids[page], self.page_bytes, token, pages.views(page))
+                    _, header = self._codec.seal(ids[page], self.page_bytes, token, [view(p, n) for p, n in pages[page]])
                     area.view[row * HEADER_BYTES : (row + 1) * HEADER_BYTES] = header
-                    pieces = self._pieces(pages, page)
+                    pieces = pages[page]
                     ptrs.append([area.row(row), *(p for p, _ in pieces)])
                     sizes.append([HEADER_BYTES, *(n for _, n in pieces)])
                 codes = self.client.put(keys, ptrs, sizes)
@@ -201,14 +201,24 @@ class ClusterStore:
         self.counters["write_failures"] += len(ok) - written
         return ok
 
-    @staticmethod
-    def _pieces(pages: PageBuffers, page: int) -> list[tuple[int, int]]:
-        a, b = int(pages.first[page]), int(pages.first[page + 1])
-        return list(zip(map(int, pages.ptrs[a:b]), map(int, pages.lens[a:b])))
+    def _page_pieces(self, buffers: Sequence[Buffer], count: int) -> list[list[tuple[int, int]]]:
+        """Per page, its (address, bytes) pieces, checked as buffers.PageBuffers checks them;
+        plain lists, cheaper than its arrays for the small batches a cluster call carries."""
+        if len(buffers) != count:
+            raise ValueError(f"{len(buffers)} buffers for {count} keys; expected one per key")
+        out = []
+        for i, buffer in enumerate(buffers):
+            pieces = ([pointer(piece, f"buffer {i} piece {j}") for j, piece in enumerate(buffer)]
+                      if isinstance(buffer, list) else [pointer(buffer, f"buffer {i}")])
+            if sum(n for _, n in pieces) != self.page_bytes:
+                raise ValueError(f"buffer {i}: {len(pieces)} pieces of {sum(n for _, n in pieces)} bytes in all; "
+                                 f"expected page_bytes={self.page_bytes}")
+            out.append(pieces)
+        return out
 
     def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         """Read pages into `buffers`; True only for a page whose record checks out."""
-        pages = PageBuffers(buffers, len(ids), self.page_bytes)
+        pages = self._page_pieces(buffers, len(ids))
         if not ids:
             return []
         if not self._allow():
@@ -227,7 +237,7 @@ class ClusterStore:
         self.seconds["get"] += time.perf_counter() - start
         return out
 
-    def _get_chunk(self, ids, pages: PageBuffers, lo: int, hi: int) -> list[bool]:
+    def _get_chunk(self, ids, pages: list, lo: int, hi: int) -> list[bool]:
         area, keys = self._get_area, [self.object_key(k) for k in ids[lo:hi]]
         with area.lock:
             if self.staged:
@@ -235,7 +245,7 @@ class ClusterStore:
             else:
                 ptrs, sizes = [], []
                 for row, page in enumerate(range(lo, hi)):
-                    pieces = self._pieces(pages, page)
+                    pieces = pages[page]
                     ptrs.append([area.row(row), *(p for p, _ in pieces)])
                     sizes.append([HEADER_BYTES, *(n for _, n in pieces)])
                 codes = self.client.get(keys, ptrs, sizes)
@@ -248,11 +258,11 @@ class ClusterStore:
                     good = code == self.object_bytes and self._verify(ids[page], raw, views)
                     if good:  # verified in the staging area: only then copied out
                         offset = area.base + at + HEADER_BYTES
-                        for ptr, nbytes in self._pieces(pages, page):
+                        for ptr, nbytes in pages[page]:
                             ctypes.memmove(ptr, offset, nbytes)
                             offset += nbytes
                 else:
-                    good = code == self.object_bytes and self._verify(ids[page], raw, pages.views(page))
+                    good = code == self.object_bytes and self._verify(ids[page], raw, [view(p, n) for p, n in pages[page]])
                 if not good and (code >= 0 or code == BUFFER_TOO_SMALL):  # an object, but not ours
                     bad.append(keys[row])
                 elif not good and code != OBJECT_NOT_FOUND:
