@@ -5,6 +5,12 @@
 VENV ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
+# The cluster tier's tests run a real mooncake_master (the wheel ships it and the store client;
+# its Python dependencies serve parts kvtier does not use). Its binaries link libibverbs.so.1
+# even over TCP: Debian's libibverbs1, installed when missing and apt-get can (CI runs as root).
+MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+LIBIBVERBS := ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
+	|| echo "libibverbs1 did not install: the cluster tier's tests will skip"
 STAMP := $(VENV)/.kvtier-installed
 # make test runs the suite on TEST_WORKERS processes (pytest-xdist) without the tests marked
 # stress (the long thread, process and fault-injection runs); make stress runs those. CI runs both.
@@ -21,6 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	  then $(PY) -m pip install -q "torch==2.13.0+cpu" --index-url $(TORCH_INDEX); \
 	  else $(PY) -m pip install -q "torch==2.13.0+cpu"; fi; }
 	$(PY) -m pip install -q --no-deps nixl-cu13==1.5.1
+	$(PY) -m pip install -q --no-deps $(MOONCAKE)
+	$(LIBIBVERBS)
 	$(PY) -m pip install -q -e ".[test,bench,triton]" "crc32c>=2.4"
 	touch $(STAMP)
 
@@ -56,6 +64,8 @@ $(SGLANG_STAMP): requirements/sglang-harness.txt pyproject.toml Makefile
 	$(SGLANG_PY) -m pip install -q --upgrade pip
 	$(SGLANG_PY) -m pip install -q "torch==2.13.0+cpu"
 	$(SGLANG_PY) -m pip install -q --no-deps nixl-cu13==1.5.1
+	$(SGLANG_PY) -m pip install -q --no-deps $(MOONCAKE)
+	$(LIBIBVERBS)
 	$(SGLANG_PY) -m pip install -q -r requirements/sglang-harness.txt
 	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	$(SGLANG_PY) -m pip download -q --no-deps --only-binary=:all: -d $(SGLANG_HARNESS)/wheel sglang==$(SGLANG_VERSION)

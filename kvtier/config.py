@@ -38,6 +38,10 @@ be ignored; a later source's one replaces an earlier source's other); a CUDA ``c
 with a device that is not CUDA is refused (it would never be used); ``remote_capacity_bytes``
 must hold at least one page of the format.
 
+The cluster tier (Mooncake Store, kvtier.tiers.cluster): ``cluster`` is the mooncake_master's
+``host:port``; ``cluster_<field>`` sets a ClusterSettings field (``cluster_metadata_server``,
+``cluster_protocol``, ``cluster_segment_bytes``, ...; ``KVTIER_CLUSTER_PROTOCOL=tcp``).
+
 Values: sizes (keys ending in ``_bytes``) take ints or human sizes, "64GiB", "512MiB",
 "1.5GB", "4096" (B, KB/MB/GB/TB/PB = powers of 1000, KiB/MiB/GiB/TiB/PiB = powers of
 1024, whole bytes); keys ending in ``_s`` take seconds; booleans take true/false, 1/0,
@@ -206,6 +210,14 @@ def _remote(value: Any, where: str) -> str | os.PathLike | None:
     raise ConfigError(f"{where}: expected a directory or file:// URL (or empty for none), got {value!r}")
 
 
+def _cluster(value: Any, where: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: expected the 'host:port' of a mooncake_master (or empty for none), got {value!r}")
+
+
 def _dtype(value: Any, where: str) -> str:
     try:
         return canonical_dtype(value, where)
@@ -240,6 +252,7 @@ NAMED: dict[str, Converter] = {
     "name": _text,
     "rank": _integer(0),
     "remote": _remote,
+    "cluster": _cluster,
     "remote_backend": _text,
     "remote_backend_params": _string_map,
     "remote_object_prefix": _text,
@@ -313,7 +326,25 @@ def pool_options() -> dict[str, Converter]:
                 convert = NAMED.get(key) or _by_suffix(name, param.default)
                 if convert is not None:
                     options[key] = convert
+    # The cluster tier's settings (kvtier.tiers.cluster.ClusterSettings) as cluster_<field>;
+    # pool_kwargs folds them into the pool's one `cluster` keyword.
+    from kvtier.tiers.cluster.settings import ClusterSettings
+
+    for field in dataclasses.fields(ClusterSettings):
+        if field.name not in ("master", "mac_key"):
+            options[f"cluster_{field.name}"] = _by_suffix(field.name, field.default)
     return options
+
+
+def _fold_cluster(kwargs: dict[str, Any], where: str) -> None:
+    """cluster_<field> keys into the pool's `cluster` keyword (a mapping of ClusterSettings fields)."""
+    fields = {key[len("cluster_"):]: kwargs.pop(key) for key in [k for k in kwargs if k.startswith("cluster_")]}
+    if not fields:
+        return
+    if kwargs.get("cluster") is None:
+        raise ConfigError(f"{where}: cluster_{sorted(fields)[0]} is set but 'cluster' (the mooncake_master address) is not")
+    if isinstance(kwargs["cluster"], str):
+        kwargs["cluster"] = {"master": kwargs["cluster"], **fields}
 
 
 def _unknown(key: str, where: str, options: Mapping[str, Converter]) -> ConfigError:
@@ -470,12 +501,15 @@ def _settings(
                 kwargs[key] = value
             elif keyword and key == "remote" and value is not None and not isinstance(value, (str, os.PathLike)):
                 kwargs[key] = value  # a RemoteStore the caller owns
+            elif keyword and key == "cluster" and value is not None and not isinstance(value, str):
+                kwargs[key] = value  # ClusterSettings or a mapping of its fields
             elif isinstance(key, str) and key in options:
                 kwargs[key] = options[key](value, named)
             else:
                 raise _unknown(str(key), named, options)
             sources[key] = named
         _one_host_size(kwargs, sources, {key for key, *_ in layer}, source)
+    _fold_cluster(kwargs, where)
     return kwargs, sources, section, env_format, where
 
 
@@ -582,6 +616,22 @@ def _check_across(kwargs: dict, sources: dict) -> None:
             f"{sources['remote_capacity_bytes']} = {capacity} bytes holds no page: a page of {fmt.describe()} "
             f"is {fmt.page_bytes} bytes; give at least that (e.g. \"64GiB\") or leave it out (half the free disk)"
         )
+
+
+def cluster_from_environment() -> dict[str, Any] | None:
+    """The cluster tier's keys set by ``KVTIER_CLUSTER`` and ``KVTIER_CLUSTER_<SETTING>``, folded as
+    pool_kwargs folds them (None without ``KVTIER_CLUSTER``), for a reader that builds stores
+    without a pool (the SGLang backend); other KVTIER_* variables are not its business."""
+    options = pool_options()
+    kwargs: dict[str, Any] = {}
+    for var in sorted(os.environ):
+        if var.startswith(ENV_PREFIX + "CLUSTER"):
+            key = var[len(ENV_PREFIX) :].lower()
+            if key not in options:
+                raise _unknown(key, f"environment {var}", options)
+            kwargs[key] = options[key](os.environ[var], var)
+    _fold_cluster(kwargs, "environment")
+    return kwargs.get("cluster")
 
 
 def pool_from_config(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TieredPool:

@@ -21,8 +21,10 @@ queue, the circuit breaker, the `remote_get`/`remote_put` histograms and the sto
 the remote tier are the store's (`kvtier_remote_store_evictions_total`). A family no pool has a
 series of is left out. Names are as Prometheus shows them: counters end in `_total`; the store's
 gauges are `kvtier_remote_store_pages` / `_used_bytes` (the whole store), `_namespace_pages` /
-`_namespace_used_bytes` (this pool's namespace) and `_capacity_bytes`. Every HELP text is
-written here, never generated.
+`_namespace_used_bytes` (this pool's namespace) and `_capacity_bytes`. A pool with the cluster tier (Mooncake Store, `cluster=`) adds
+`kvtier_tier_*{tier="cluster"}`: reads by outcome (hit, miss, corrupt, failed, skipped while its
+breaker is open), writes by outcome, bytes, seconds in its calls, its breaker's state and opens.
+Every HELP text is written here, never generated.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class _Family(NamedTuple):
     labels: tuple[str, ...]
     keys: Callable[[dict, bool], tuple[tuple[str, ...], ...]]
     read: Callable[[dict, dict, dict, tuple], list]
-    store: bool = False  # the remote store's own counters: exported while the store answers
+    store: bool | str = False  # the remote store's own counters: exported while the store answers;
+    # a name: the counters of that tier behind the remote link (store[name]), exported while it has them
 
 
 _ONE = ((),)  # a family with one series a pool and no labels of its own
@@ -195,6 +198,34 @@ def _remote_only(s: dict, remote: bool) -> tuple[tuple[str, ...], ...]:
 def _store_family(name: str, key: str, typ: str, doc: str) -> _Family:
     return _Family(f"kvtier_remote_store_{name}", typ, doc, (), _remote_only,
                    lambda s, hist, store, keys: [store.get(key, 0)], store=True)
+
+
+def _cluster_family(name: str, typ: str, doc: str, label: str, stats: dict[str, str]) -> _Family:
+    """A family of the cluster tier's counters (kvtier.tiers.cluster), tier="cluster"; `stats`
+    maps each value of `label` to its counter."""
+    if not label:
+        return _Family(name, typ, doc, ("tier",), lambda s, remote: (("cluster",),) if remote else (),
+                       lambda s, hist, store, keys: [store["cluster"][stats[""]]], store="cluster")
+    return _Family(name, typ, doc, ("tier", label),
+                   lambda s, remote: tuple(("cluster", v) for v in stats) if remote else (),
+                   lambda s, hist, store, keys: [store["cluster"][stats[v]] for _, v in keys], store="cluster")
+
+
+_CLUSTER_FAMILIES = (
+    _cluster_family("kvtier_tier_reads", "counter", "Pages a tier behind the remote link was asked for, by outcome",
+                    "outcome", {"hit": "hits", "miss": "misses", "corrupt": "corrupt_reads", "failed": "read_failures",
+                                "skipped": "skipped_reads"}),
+    _cluster_family("kvtier_tier_writes", "counter", "Pages written to a tier behind the remote link, by outcome",
+                    "outcome", {"written": "pages_written", "failed": "write_failures", "skipped": "skipped_writes"}),
+    _cluster_family("kvtier_tier_bytes", "counter", "Bytes a tier behind the remote link moved (records)", "op",
+                    {"read": "bytes_read", "write": "bytes_written"}),
+    _cluster_family("kvtier_tier_seconds", "counter", "Seconds spent in a tier's batched calls", "op",
+                    {"get": "get_seconds", "put": "put_seconds", "exists": "exists_seconds"}),
+    _cluster_family("kvtier_tier_breaker_state", "gauge", "A tier's circuit breaker: 0 closed (healthy), 1 open, 2 half open",
+                    "", {"": "breaker_code"}),
+    _cluster_family("kvtier_tier_breaker_opens", "counter", "Times a tier's calls started failing", "",
+                    {"": "breaker_opens"}),
+)
 
 
 _FAMILIES: tuple[_Family, ...] = (
@@ -236,6 +267,7 @@ _FAMILIES: tuple[_Family, ...] = (
             ("op",), lambda s, remote: tuple((op,) for op in CALLS + (REMOTE_OPS if remote else ())), _read_histograms),
     *(_store_family(name, name, "counter", STORE_COUNTERS_HELP[name]) for name in STORE_COUNTERS),
     *(_store_family(name, key, "gauge", doc) for name, key, doc in STORE_GAUGES),
+    *_CLUSTER_FAMILIES,
 )
 
 
@@ -285,6 +317,12 @@ def _snapshots(pools) -> list[tuple[_Layout, dict, dict, dict]]:
     return out
 
 
+def _exported(fam: _Family, store: dict) -> bool:
+    if fam.store is False:
+        return True
+    return bool(store) if fam.store is True else fam.store in store
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
@@ -328,7 +366,7 @@ def exposition(source: CollectorRegistry | Iterable[object]) -> bytes:
         lines = []
         for layout, s, hist, store in snapshots:
             keys = layout.keys[i]
-            if keys and (store or not fam.store):
+            if keys and _exported(fam, store):
                 lines += [f"{head}{_value(v)}\n" for head, v in zip(layout.lines[i], fam.read(s, hist, store, keys))]
         if lines:
             out.append(_HEADERS[i])
@@ -341,7 +379,7 @@ def _metrics(snapshots) -> Iterator[Metric]:
         samples = []
         for layout, s, hist, store in snapshots:
             keys = layout.keys[i]
-            if keys and (store or not fam.store):
+            if keys and _exported(fam, store):
                 samples += map(Sample, layout.names[i], layout.labels[i], fam.read(s, hist, store, keys))
         if samples:
             metric = Metric(fam.name, fam.doc, fam.type)

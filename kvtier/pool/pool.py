@@ -63,6 +63,7 @@ from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from kvtier.tiers.cluster import ClusterSettings
     from kvtier.tiers.remote import RemoteStore
 
 S = PageState
@@ -97,7 +98,18 @@ def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, 
     raise ValueError(f"engine must be 'auto', 'torch', 'cuda' or a callable, got {kind!r}")
 
 
-def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, create: bool):
+def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, create: bool, cluster):
+    """(store, owned): the local store, the cluster tier (kvtier.tiers.cluster) behind it when
+    `cluster` is given, or the cluster alone without `remote`."""
+    store, owned = (None, False) if remote is None else _open_local(remote, fmt, namespace, capacity_bytes, create)
+    if cluster is None:
+        return store, owned
+    from kvtier.tiers.cluster import open_cluster
+
+    return open_cluster(cluster, store, owned, namespace=namespace.digest, page_bytes=fmt.page_bytes), True
+
+
+def _open_local(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, create: bool):
     """(store, owned): open a directory or file:// URL, or check a caller's RemoteStore."""
     if isinstance(remote, (str, os.PathLike)):
         from kvtier.tiers.remote import RemoteStore
@@ -129,6 +141,8 @@ class TieredPool(Movement, TierRoom):
     remote: a directory or file:// URL of a page store (opened and closed by the pool), or a
     RemoteStore the caller owns (same page size and namespace as this pool); remote_create
     lets the pool create missing parent directories of a remote path.
+    cluster: a Mooncake Store cluster shared by hosts ("host:port" of its mooncake_master, a
+    mapping of kvtier.tiers.cluster.ClusterSettings fields, or settings), behind `remote` or alone.
     host_pages (default 4096) or host_bytes (whole pages of that many bytes) sizes the host tier; not both.
     close_timeout_s bounds `close()` (flush included) when the remote tier hangs.
     remote_backoff_s / remote_backoff_max_s: first and longest pause between backup attempts
@@ -169,6 +183,7 @@ class TieredPool(Movement, TierRoom):
         device_scales: tuple | None = None,
         background_copies: bool = True,
         remote_create: bool = False,
+        cluster: str | Mapping | ClusterSettings | None = None,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
@@ -223,9 +238,11 @@ class TieredPool(Movement, TierRoom):
         self._closed = False
         self._registry = registry
         self.name = register_pool(registry, self, name)
-        if remote is not None:
+        if remote is not None or cluster is not None:
             try:
-                self.remote, self._owns_remote = _open_remote(remote, fmt, self.namespace, remote_capacity_bytes, remote_create)
+                self.remote, self._owns_remote = _open_remote(
+                    remote, fmt, self.namespace, remote_capacity_bytes, remote_create, cluster
+                )
                 # One registration of the whole host tier: batches then skip per-call registration.
                 self.remote.register_host_memory(self.host_tier.buffer.view(-1))
             except BaseException:

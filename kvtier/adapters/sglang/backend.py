@@ -63,7 +63,9 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.adapters.sglang import metrics
 from kvtier.adapters.sglang.namespace import pool_namespace, resolve_kv_format
 from kvtier.adapters.sglang.settings import BackendSettings
+from kvtier.config import cluster_from_environment
 from kvtier.index.keys import key_ids
+from kvtier.tiers.cluster import open_cluster
 from kvtier.tiers.remote import RemoteStore
 from kvtier.tiers.remote.buffers import PageBuffers
 
@@ -191,6 +193,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if self.settings.left_to_sglang:
             logger.info("kvtier: SGLang's own flags decide %s; kvtier's configuration values for them are "
                         "not used by the storage backend", ", ".join(self.settings.left_to_sglang))
+        # The cluster tier (Mooncake Store) behind each lane's store: kvtier.config's `cluster`
+        # keys, from KVTIER_CLUSTER / KVTIER_CLUSTER_<SETTING>.
+        self._cluster = cluster_from_environment()
         self.storage_config = storage_config
         os.makedirs(_directory(self.settings.path), exist_ok=True)
         self.registered_pools = {}
@@ -259,6 +264,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 namespace_label=_namespace_label(fields),
                 **self.settings.store_kwargs,
             )
+            if self._cluster is not None:
+                store = open_cluster(self._cluster, store, True, namespace=namespace, page_bytes=sum(piece_sizes))
             try:
                 for region in regions:
                     store.register_host_memory(region)
