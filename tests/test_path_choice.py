@@ -1,6 +1,5 @@
 """The CUDA engine's copy-path rules (kvtier.transfer.cuda.path_choice) on the CPU: what "auto"
-picks from a transfer's shape, one direction on each mechanism while the opposite direction
-is in flight, and the refusals of forced paths a machine cannot run. The GPU tests check that
+picks from a transfer's shape and the refusals of forced paths a machine cannot run. The GPU tests check that
 the engine hands these rules what it sees (tests/gpu/test_cuda_engine.py)."""
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ SMALL = PageFormat(4, 8, 128, 16)  # 32 KiB planes
 CONVERTING = PageFormat(4, 8, 128, 128, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")
 
 
-def offload(fmt, can=H200, opposite=None, setting="auto", count=64):
-    return choose(setting, fmt, can, converts=fmt.converts, count=count, calls=1, opposite=opposite)
+def offload(fmt, can=H200, setting="auto", count=64):
+    return choose(setting, fmt, can, converts=fmt.converts, count=count, calls=1)
 
 
-def reload(fmt, can=H200, opposite=None, setting="auto", count=64):
-    return choose(setting, fmt, can, converts=fmt.converts, count=count, calls=fmt.num_layers, staged_ok=True, opposite=opposite)
+def reload(fmt, can=H200, setting="auto", count=64):
+    return choose(setting, fmt, can, converts=fmt.converts, count=count, calls=fmt.num_layers, staged_ok=True)
 
 
 @pytest.mark.parametrize("direction", [offload, reload])
@@ -32,43 +31,21 @@ def test_auto_alone_follows_the_piece_size(direction):
     assert direction(CONVERTING) == "kernel"
 
 
-@pytest.mark.parametrize("direction", [offload, reload])
-def test_auto_puts_both_directions_on_different_mechanisms(direction):
-    # The opposite direction holds the copy engines: this one takes the SMs.
-    assert direction(BIG, opposite="copy_engine") == "kernel"
-    # It holds the SMs (or something else): this one takes the copy engines, as alone.
-    assert direction(BIG, opposite="kernel") == "copy_engine"
-    assert direction(BIG, opposite="staged") == "copy_engine"
-    assert direction(BIG, opposite="torch") == "copy_engine"
-    # Small pieces stay on the kernel whatever the other direction does.
-    assert direction(SMALL, opposite="copy_engine") == "kernel"
-    assert direction(SMALL, opposite="kernel") == "kernel"
-
-
-def test_the_pair_of_a_busy_copy_engine_offload_and_a_reload_splits():
-    first = offload(BIG)
-    second = reload(BIG, opposite=first)
-    assert (first, second) == ("copy_engine", "kernel")
-    # The reverse arrival: a kernel reload in flight sends the offload to the copy engines.
-    assert offload(BIG, opposite=reload(SMALL)) == "copy_engine"
-
-
-def test_without_kernels_a_busy_opposite_changes_nothing():
+def test_without_kernels_or_fp8_conversion_auto_falls_back():
     no_kernels = Abilities(kernels=False, copy_engine=True, capability=(9, 0))
-    assert offload(BIG, no_kernels, opposite="copy_engine") == "copy_engine"
-    assert offload(SMALL, no_kernels, opposite="copy_engine") == "torch"
+    assert offload(BIG, no_kernels) == "copy_engine"
+    assert offload(SMALL, no_kernels) == "torch"
     old_gpu = Abilities(kernels=True, copy_engine=True, capability=(8, 0))
     assert reload(CONVERTING, old_gpu) == "torch"
-    assert reload(CONVERTING, old_gpu, opposite="copy_engine") == "torch"
 
 
-def test_forced_paths_ignore_the_opposite_direction():
+def test_forced_paths_are_kept():
     for setting in ("kernel", "copy_engine", "torch"):
-        assert offload(BIG, setting=setting, opposite="copy_engine") == setting
-        assert reload(BIG, setting=setting, opposite="kernel") == setting
-    assert reload(CONVERTING, setting="staged", opposite="copy_engine") == "staged"
+        assert offload(BIG, setting=setting) == setting
+        assert reload(BIG, setting=setting) == setting
+    assert reload(CONVERTING, setting="staged") == "staged"
     # "staged" on a pass-through transfer acts as "auto".
-    assert reload(BIG, setting="staged", opposite="copy_engine") == "kernel"
+    assert reload(BIG, setting="staged") == "copy_engine"
 
 
 def test_host_cost_against_pcie_time():

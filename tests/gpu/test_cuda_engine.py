@@ -450,11 +450,11 @@ def test_wait_layer_then_read_layer(path: str) -> None:
 
 
 # --- paths, launches and refusals ------------------------------------------------------------
-@pytest.mark.skipif(not (HAS_CUPY and HAS_BATCH_MEMCPY), reason="needs both the kernel path and cudaMemcpyBatchAsync")
-def test_auto_splits_directions_while_both_are_in_flight() -> None:
-    """An offload held on the copy engines (behind a GPU sleep) sends the reload that arrives
-    meanwhile to the kernel; both land bit-exact; once the offload landed, reloads return to
-    the copy engines."""
+@pytest.mark.skipif(not HAS_BATCH_MEMCPY, reason="needs cudaMemcpyBatchAsync")
+def test_auto_keeps_large_pieces_on_the_copy_engines_in_both_directions_at_once() -> None:
+    """An offload held on the copy engines (behind a GPU sleep) and a reload that arrives
+    meanwhile both take the copy engines (measured fastest both ways from 256 KiB pieces) and
+    land bit-exact."""
     tiers = Tiers(PASSTHROUGH[3], seed=802, device_pages=8, host_pages=8)
     twin = TorchEngine(tiers.cpu_dev, tiers.cpu_host)
     engine = CudaEngine(tiers.dev, tiers.host)
@@ -462,15 +462,13 @@ def test_auto_splits_directions_while_both_are_in_flight() -> None:
     offload = engine.offload([0, 1], [4, 5], ready=engine.record_ready())
     assert engine.last_path == "copy_engine" and not offload.done()
     reload = engine.reload([6, 7], [2, 3])
-    assert engine.last_path == "kernel"
+    assert engine.last_path == "copy_engine"
     offload.synchronize()
     reload.synchronize()
     twin.offload([0, 1], [4, 5]).synchronize()
     twin.reload([6, 7], [2, 3]).synchronize()
-    _assert_bytes_equal(tiers.host.buffer, tiers.cpu_host.buffer, "host records after the split offload")
-    _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, "device pages after the split reload")
-    engine.reload([4, 5], [6, 7]).synchronize()
-    assert engine.last_path == "copy_engine"
+    _assert_bytes_equal(tiers.host.buffer, tiers.cpu_host.buffer, "host records after the offload")
+    _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, "device pages after the reload beside it")
     engine.close()
     tiers.close()
 

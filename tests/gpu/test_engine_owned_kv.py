@@ -170,7 +170,7 @@ def test_refusals_name_layer_plane_and_mismatch() -> None:
         DeviceTier(fmt, kv=(k, k))
     with pytest.raises(ValueError, match=r"must be a pair \(K, V\), got tuple of length 1"):
         DeviceTier(fmt, kv=(k,))
-    with pytest.raises(ValueError, match=r"tensors are on cpu, expected device=meta"):
+    with pytest.raises(ValueError, match=r"device='meta': kvtier's device tier runs on 'cpu' or 'cuda'"):
         DeviceTier(fmt, device="meta", kv=(k, v))
     with pytest.raises(ValueError, match=r"kv V layer 1 is on meta, expected cpu like layer 0"):
         DeviceTier(fmt, kv=([k[0], k[1]], [v[0], torch.empty(PAGES, 4, 2, 16, dtype=torch.bfloat16, device="meta")]))

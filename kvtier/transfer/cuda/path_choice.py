@@ -1,23 +1,20 @@
 """Which copy path a CUDA transfer takes: pure decisions, tested on the CPU.
 
 Owns the rules behind CudaEngine's `path` setting (see engine.py for the paths themselves):
-what "auto" picks from the transfer's shape, what it picks while the opposite direction is
-in flight, and the errors for a forced path this machine cannot run. It must never look at
-a GPU, a stream or a ticket: the engine hands it what it knows (Abilities, the transfer's
-counts, the path the opposite direction is busy on).
+what "auto" picks from the transfer's shape, and the errors for a forced path this machine
+cannot run. It must never look at a GPU, a stream or a ticket: the engine hands it what it
+knows (Abilities, the transfer's counts).
 
 "auto" without traffic the other way: the copy engines where the transfer passes bytes
 through, every piece is at least COPY_ENGINE_MIN_PIECE bytes and their host cost (one call
 and one event per layer on reload, about 1.8 us a piece) is below the bytes' PCIe time;
 else the kernel; torch where the kernel path cannot run.
 
-"auto" while the opposite direction (offload against reload) is in flight: one direction on
-the copy engines, the other on the SM kernel. A pass-through transfer that would take the
-copy engines takes the kernel instead when the opposite direction already holds the copy
-engines, so the two directions never queue behind each other on the same mechanism (H200,
-2026-12-03: both directions on the kernel reached 73-77 GB/s of the 98-100 both ways, on
-the copy engines 82-92, noisily). Where the opposite direction holds the SMs, the rule above
-already sends a large-piece transfer to the copy engines.
+"auto" is the same while the opposite direction (offload against reload) is in flight. Putting
+the two directions on different mechanisms was measured and lost (H200, 2026-12-03,
+kvtier/bench/both_directions.py, GB/s of both directions against the 94.6 limit): from 256 KiB
+pieces both on the copy engines 98-101 (1.04-1.07x), both on the SM kernel 78 (0.82x), one on
+each 55-63 (0.61-0.67x); at 64 KiB both on the kernel 77 (0.82x), both on the copy engines 57.
 """
 
 from __future__ import annotations
@@ -66,14 +63,12 @@ def choose(
     calls: int,
     staged_ok: bool = False,
     piece_bytes: int | None = None,
-    opposite: str | None = None,
 ) -> str:
     """The path a transfer of `count` pages takes under `setting`.
 
     calls: batch calls the copy engines would need (1, or one per layer on reload); staged_ok:
     the transfer is a reload (the only one "staged" applies to); piece_bytes: the size of each
-    contiguous piece (default: one plane of one layer of a page); opposite: the path the
-    opposite direction's latest transfer is still running on (None: idle or not a direction).
+    contiguous piece (default: one plane of one layer of a page).
     """
     fp8_ok = can.capability >= FP8_CONVERT_CAPABILITY
     kernel_ok = can.kernels and (fp8_ok or not converts)
@@ -84,7 +79,7 @@ def choose(
         return "staged"
     if setting in ("auto", "staged"):
         if not converts and can.copy_engine and copy_engine_keeps_up(fmt, count, calls, piece_bytes):
-            return "kernel" if opposite == "copy_engine" and kernel_ok else "copy_engine"
+            return "copy_engine"
         return "kernel" if kernel_ok else "torch"
     if setting == "kernel":
         if not can.kernels:
