@@ -618,22 +618,6 @@ def _check_across(kwargs: dict, sources: dict) -> None:
         )
 
 
-def cluster_from_environment() -> dict[str, Any] | None:
-    """The cluster tier's keys set by ``KVTIER_CLUSTER`` and ``KVTIER_CLUSTER_<SETTING>``, folded as
-    pool_kwargs folds them (None without ``KVTIER_CLUSTER``), for a reader that builds stores
-    without a pool (the SGLang backend); other KVTIER_* variables are not its business."""
-    options = pool_options()
-    kwargs: dict[str, Any] = {}
-    for var in sorted(os.environ):
-        if var.startswith(ENV_PREFIX + "CLUSTER"):
-            key = var[len(ENV_PREFIX) :].lower()
-            if key not in options:
-                raise _unknown(key, f"environment {var}", options)
-            kwargs[key] = options[key](os.environ[var], var)
-    _fold_cluster(kwargs, "environment")
-    return kwargs.get("cluster")
-
-
 def pool_from_config(config: Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TieredPool:
     """A TieredPool from a configuration (see pool_kwargs), with keyword overrides on top."""
     from kvtier.pool import TieredPool

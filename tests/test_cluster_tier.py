@@ -311,3 +311,42 @@ def test_cluster_keys_come_from_files_and_environment(monkeypatch):
         pool_kwargs({"format": FORMAT})
     with pytest.raises(ConfigError, match="did you mean 'cluster_protocol'"):
         pool_kwargs({"format": FORMAT, "cluster": "h:1", "cluster_protcol": "tcp"})
+
+
+def test_a_chain_reads_page_tables_stops_at_a_prefix_gap_and_asks_fresh(mooncake_master, tmp_path):
+    """The store the SGLang backend drives (local store + cluster): a batch given as one
+    PageBuffers of two pieces a page, a prefix read that stops at the first page neither tier
+    holds, and ``contains_ids(fresh=True)`` asking the local index itself."""
+    from kvtier.tiers.cluster import open_cluster
+    from kvtier.tiers.remote import RemoteStore
+    from kvtier.tiers.remote.buffers import PageBuffers
+
+    namespace, page = "ab" * 16, 8192
+    settings = mooncake_master.settings()
+
+    def chain(name):
+        local = RemoteStore(tmp_path / name, namespace=namespace, page_bytes=page)
+        store = open_cluster(settings, local, True, namespace=namespace, page_bytes=page)
+        assert store.cluster.client.wait_connected(30), store.cluster.client.last_error
+        return store
+
+    writer, reader = chain("writer"), chain("reader")
+    try:
+        ids = key_ids([f"chain/{i}" for i in range(6)])
+        gen = torch.Generator().manual_seed(31)
+        pages = torch.randint(0, 256, (6, page), dtype=torch.uint8, generator=gen)
+        stored = [0, 1, 2, 4, 5]  # page 3 is never written: the prefix ends there
+        assert writer.put_ids([ids[i] for i in stored], [pages[i] for i in stored]) == [True] * 5
+        assert reader.contains_ids(ids, fresh=True) == [True, True, True, False, True, True]
+        dst = torch.full((6, page), 0xA5, dtype=torch.uint8)  # poisoned
+        halves = dst.view(6, 2, page // 2)
+        ptrs = np.array([halves[i, j].data_ptr() for i in range(6) for j in range(2)], dtype=np.uint64)
+        table = PageBuffers.from_arrays(ptrs, np.full(12, page // 2, dtype=np.uint64), 6, page)
+        assert reader.get_ids(ids, table, prefix=True) == [True, True, True, False, False, False]
+        assert torch.equal(dst[:3], pages[:3])  # served by the cluster: the reader's local store is empty
+        assert reader.local.stats()["pages"] == 0 and reader.cluster.counters["hits"] >= 3
+        assert reader.get_ids(ids, table) == [True, True, True, False, True, True]
+        assert torch.equal(dst[4:], pages[4:])
+    finally:
+        writer.close()
+        reader.close()

@@ -1,5 +1,6 @@
 """Two processes running SGLang's host pools through the kvtier backend, each with its own local
-store directory, share KV through the cluster tier (a real mooncake_master on loopback)."""
+store directory, share KV through the cluster tier (a real mooncake_master on loopback): one
+configured by KVTIER_CLUSTER* variables, the other by the same keys in SGLang's extra config."""
 
 from __future__ import annotations
 
@@ -48,20 +49,19 @@ backend.close()
 """.format(pages=PAGES)
 
 
-def test_two_processes_with_separate_local_stores_share_pages_through_the_cluster(mooncake_master, tmp_path, monkeypatch):
+def test_two_processes_with_separate_local_stores_share_pages_through_the_cluster(mooncake_master, tmp_path):
     settings = mooncake_master.settings()
-    cluster_env = {"KVTIER_CLUSTER": settings["master"], "KVTIER_CLUSTER_METADATA_SERVER": settings["metadata_server"],
-                   "KVTIER_CLUSTER_LOCAL_HOSTNAME": "127.0.0.1", "KVTIER_CLUSTER_SEGMENT_BYTES": "64MiB"}
-    for var, value in cluster_env.items():
-        monkeypatch.setenv(var, value)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    cluster = {"cluster": settings["master"], "cluster_metadata_server": settings["metadata_server"],
+               "cluster_local_hostname": "127.0.0.1", "cluster_segment_bytes": "64MiB"}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               **{f"KVTIER_{key.upper()}": value for key, value in cluster.items()})
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path / "child")],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         pool = make_host_pool("mha", "page_first", size=512)
-        backend = make_backend(storage_config(tmp_path / "parent"), pool)
+        backend = make_backend(storage_config(tmp_path / "parent", **cluster), pool)
         src = pool.alloc(PAGES * PAGE)
         fill_pages(pool, src, torch.Generator().manual_seed(8))
         assert backend.batch_set_v1(keys_for("parent", PAGES), src) == [True] * PAGES

@@ -63,7 +63,6 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.adapters.sglang import metrics
 from kvtier.adapters.sglang.namespace import pool_namespace, resolve_kv_format
 from kvtier.adapters.sglang.settings import BackendSettings
-from kvtier.config import cluster_from_environment
 from kvtier.index.keys import key_ids
 from kvtier.tiers.cluster import open_cluster
 from kvtier.tiers.remote import RemoteStore
@@ -194,8 +193,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             logger.info("kvtier: SGLang's own flags decide %s; kvtier's configuration values for them are "
                         "not used by the storage backend", ", ".join(self.settings.left_to_sglang))
         # The cluster tier (Mooncake Store) behind each lane's store: kvtier.config's `cluster`
-        # keys, from KVTIER_CLUSTER / KVTIER_CLUSTER_<SETTING>.
-        self._cluster = cluster_from_environment()
+        # keys, from the extra config, its `config` file or KVTIER_CLUSTER / KVTIER_CLUSTER_<SETTING>.
+        self._cluster = self.settings.cluster
         self.storage_config = storage_config
         os.makedirs(_directory(self.settings.path), exist_ok=True)
         self.registered_pools = {}

@@ -4,6 +4,7 @@ Owns turning that dictionary into ``BackendSettings``. It speaks ``kvtier.config
 and lets ``kvtier.config`` read and check it (one vocabulary, one reader): ``remote`` (the store
 directory), ``remote_capacity_bytes`` (``"500GiB"``), any RemoteStore option as
 ``remote_<option>`` (``remote_timeout_s``, ``remote_backend``, ``remote_backend_params``, ...),
+``cluster`` and ``cluster_<setting>`` (the cluster tier on Mooncake Store behind the store),
 ``config`` (a kvtier TOML / YAML / JSON file, read first; inline keys override it, and
 ``KVTIER_*`` variables override the file as they do for ``kvtier.config``), and
 ``namespace_tag``. The pool keys of such a file (``device``, ``host_bytes``, ``format``,
@@ -60,12 +61,16 @@ class BackendSettings:
       ``backend_params``, ``timeout_s``, ...); what is absent takes RemoteStore's default.
     - ``namespace_tag``: a free string folded into every namespace, for deployments that reuse
       a model name for other weights.
+    - ``cluster``: the cluster tier (Mooncake Store) behind each store: ``cluster`` (the
+      mooncake_master address) and ``cluster_<setting>`` keys, folded as kvtier.config folds them
+      (a mapping of ClusterSettings fields or an address); None for none.
     - ``left_to_sglang``: pool keys the configuration set that SGLang's own flags decide.
     """
 
     path: str
     store_kwargs: Mapping[str, Any] = field(default_factory=dict)
     namespace_tag: Optional[str] = None
+    cluster: Any = None
     left_to_sglang: tuple[str, ...] = ()
 
     @classmethod
@@ -123,7 +128,9 @@ class BackendSettings:
         if backend not in NIXL_BACKENDS:
             raise ValueError(f"{FLAG}: \"remote_backend\" (\"nixl_backend\") must be one of {NIXL_BACKENDS}, "
                              f"got {backend!r}")
-        return cls(path=os.fspath(location), store_kwargs=store, namespace_tag=tag, left_to_sglang=tuple(sorted(others)))
+        cluster = others.pop("cluster", None)
+        return cls(path=os.fspath(location), store_kwargs=store, namespace_tag=tag, cluster=cluster,
+                   left_to_sglang=tuple(sorted(others)))
 
 
 def _legacy_value(key: str, value: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from kvtier.tiers.cluster.settings import ClusterSettings
 from kvtier.tiers.cluster.store import ClusterStore
-from kvtier.tiers.remote.buffers import Buffer
+from kvtier.tiers.remote.buffers import Buffer, PageBuffers
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,21 @@ class ChainedStore:
         self.page_bytes = local.page_bytes
         self.namespace = local.namespace
 
-    def contains_ids(self, ids: Sequence[bytes]) -> list[bool]:
-        found = self.local.contains_ids(ids)
+    def contains_ids(self, ids: Sequence[bytes], fresh: bool = False) -> list[bool]:
+        """Which ids the local store or the cluster holds (``fresh``: the local index itself,
+        not this process's memory of it; the cluster is always asked)."""
+        found = self.local.contains_ids(ids, fresh)
         rest = [i for i, hit in enumerate(found) if not hit]
         if rest:
             for i, hit in zip(rest, self.cluster.contains_ids([ids[i] for i in rest])):
                 found[i] = hit
         return found
 
-    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer], prefix: bool = False) -> list[bool]:
+        """Pages from the local store, the rest from the cluster; ``prefix``: only the leading
+        pages up to the first that neither holds count (the caller discards what follows)."""
+        if isinstance(buffers, PageBuffers):
+            buffers = buffers.buffers()
         error = None
         try:
             found = self.local.get_ids(ids, buffers)
@@ -79,6 +85,9 @@ class ChainedStore:
                 found[i] = hit
         if error is not None and not any(found):
             raise error
+        if prefix and False in found:
+            first = found.index(False)
+            found[first:] = [False] * (len(found) - first)
         return found
 
     def put_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:

@@ -43,7 +43,7 @@ import numpy as np
 from kvtier.pool.breaker import CircuitBreaker
 from kvtier.tiers.cluster.client import BUFFER_TOO_SMALL, OBJECT_NOT_FOUND, ClusterUnavailable, MooncakeClient
 from kvtier.tiers.cluster.settings import ClusterSettings
-from kvtier.tiers.remote.buffers import Buffer, pointer, view
+from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer, view
 from kvtier.tiers.remote.records import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -135,8 +135,9 @@ class ClusterStore:
         return self._breaker.state.name.lower()
 
     # --- the remote-store calls ---------------------------------------------------------------------
-    def contains_ids(self, ids: Sequence[bytes]) -> list[bool]:
-        """Which ids the cluster holds now: one Mooncake call, none while the breaker is open."""
+    def contains_ids(self, ids: Sequence[bytes], fresh: bool = False) -> list[bool]:
+        """Which ids the cluster holds now: one Mooncake call, none while the breaker is open
+        (every answer is fresh: nothing is remembered, so ``fresh`` changes nothing)."""
         if not ids or not self._allow():
             return [False] * len(ids)
         start = time.perf_counter()
@@ -204,6 +205,8 @@ class ClusterStore:
     def _page_pieces(self, buffers: Sequence[Buffer], count: int) -> list[list[tuple[int, int]]]:
         """Per page, its (address, bytes) pieces, checked as buffers.PageBuffers checks them;
         plain lists, cheaper than its arrays for the small batches a cluster call carries."""
+        if isinstance(buffers, PageBuffers):
+            buffers = buffers.buffers()
         if len(buffers) != count:
             raise ValueError(f"{len(buffers)} buffers for {count} keys; expected one per key")
         out = []
@@ -216,8 +219,9 @@ class ClusterStore:
             out.append(pieces)
         return out
 
-    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
-        """Read pages into `buffers`; True only for a page whose record checks out."""
+    def get_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer], prefix: bool = False) -> list[bool]:
+        """Read pages into `buffers`; True only for a page whose record checks out. ``prefix``:
+        pages after the first miss count as misses (the caller discards them)."""
         pages = self._page_pieces(buffers, len(ids))
         if not ids:
             return []
@@ -235,6 +239,9 @@ class ClusterStore:
             return out + [False] * (len(ids) - len(out))
         self._outcome(None)
         self.seconds["get"] += time.perf_counter() - start
+        if prefix and False in out:
+            first = out.index(False)
+            out[first:] = [False] * (len(out) - first)
         return out
 
     def _get_chunk(self, ids, pages: list, lo: int, hi: int) -> list[bool]:

@@ -127,6 +127,14 @@ class PageBuffers:
         self.offsets = within.reshape(-1).astype(np.uint64)
         return self
 
+    def buffers(self) -> list:
+        """The pages as plain buffers again: ``(ptr, nbytes)`` for a one-piece page, a list of
+        them otherwise (for a caller that picks pages out, such as the cluster tier's chain)."""
+        ptrs, lens, first = self.ptrs.tolist(), self.lens.tolist(), self.first.tolist()
+        if self.single:
+            return list(zip(ptrs, lens))
+        return [list(zip(ptrs[first[i]:first[i + 1]], lens[first[i]:first[i + 1]])) for i in range(self.count)]
+
     def pieces_of(self, pages: Sequence[int]) -> np.ndarray:
         """Indices of the pieces of ``pages``, page by page, in order."""
         if self.single:
