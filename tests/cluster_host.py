@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from conftest import fill_random, poison, small_format, snapshot
+from tests.conftest import fill_random, poison, small_format, snapshot
 from kvtier import TieredPool
 
 

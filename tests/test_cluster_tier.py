@@ -17,7 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import fill_random, poison, small_format, snapshot
+from tests.conftest import fill_random, poison, small_format, snapshot
 from mooncake_master import Master, mooncake_master  # noqa: F401  (the fixture)
 
 from kvtier import TieredPool
@@ -350,3 +350,19 @@ def test_a_chain_reads_page_tables_stops_at_a_prefix_gap_and_asks_fresh(mooncake
     finally:
         writer.close()
         reader.close()
+
+
+def test_the_readmes_cluster_metric_names_are_exported(mooncake_master):
+    """The kvtier_tier_* names the README gives are what a pool with the cluster tier exports."""
+    import re
+
+    registry = CollectorRegistry()
+    pool = _pool(mooncake_master, registry=registry)
+    try:
+        text = generate_latest(registry).decode()
+    finally:
+        pool.close()
+    exported = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    readme = (HERE.parent / "README.md").read_text()
+    named = set(re.findall(r"`(kvtier_tier_[a-z_]*[a-z])[{`]", readme))
+    assert named and named <= exported, sorted(named - exported)
