@@ -29,8 +29,8 @@ Rules it keeps, whatever process or thread calls it:
   neither this index's lock nor SQLite's write lock is held for long however costly a row is
   (rows of random keys in a large store dirty many B-tree pages, and COMMIT writes them all to
   the WAL). Measured on the 2-vCPU VM with 100,000 pages (a probe now in git history:
-  ``git show f5c0dc5:benchmarks/remote_index_locks.py``): evicting 57,501 of them held the lock at most 6.3 ms (2.9 ms of CPU; the rest is waiting
-  for a CPU on a shared machine), against 1.16 s in one transaction; publish, delete, clear and
+  ``git show f5c0dc5:benchmarks/remote_index_locks.py``): evicting 57,501 of them held the
+  lock at most 6.3 ms (2.9 ms of CPU; the rest is waiting for a CPU on a shared machine), against 1.16 s in one transaction; publish, delete, clear and
   LRU flushes of 4,096 pages at most 10 ms (3.3 ms of CPU). A large put may therefore publish
   its pages in several steps; each page is published whole or not at all. ``longest_hold_s``
   records the longest hold since open, ``longest_hold_cpu_s`` the most CPU time one hold took.
