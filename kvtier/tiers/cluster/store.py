@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.pool.breaker import CircuitBreaker
+from kvtier.pool.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.cluster.client import BUFFER_TOO_SMALL, OBJECT_NOT_FOUND, ClusterUnavailable, MooncakeClient
 from kvtier.tiers.cluster.settings import ClusterSettings
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer, view
@@ -114,10 +114,14 @@ class ClusterStore:
 
     # --- breaker ----------------------------------------------------------------------------------
     def _allow(self) -> bool:
+        if self._breaker.state is BreakerState.CLOSED:  # the common case needs no lock
+            return True
         with self._breaker_lock:
             return self._breaker.allow()
 
     def _outcome(self, error: BaseException | None) -> None:
+        if error is None and self._breaker.state is BreakerState.CLOSED:
+            return  # healthy and still so: nothing to record
         with self._breaker_lock:
             was_healthy = self._breaker.healthy
             self._breaker.record(error is None, None if error is None else str(error))
