@@ -4,7 +4,9 @@ linking (SlotList.extend / discard_many) give exactly what the one-at-a-time pat
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import textwrap
 import random
 import threading
 
@@ -359,3 +361,31 @@ def test_a_repeated_slot_anywhere_in_a_batch_sends_it_to_the_loops():
             assert index._unique_slots(repeated) is None, (n, i, j)
             assert index._unique_slots(slots) is not None
     assert index._unique_slots(list(range(tier_index.BULK - 1))) is None  # short: the loops
+
+
+def test_the_id_cache_is_let_go_when_the_last_pool_closes():
+    """Keys a pool's calls cached stay referenced while a pool is open and are let go when the
+    last pool closes (in a fresh process: no pool of another test is open there)."""
+    code = textwrap.dedent("""
+        import os, sys, torch
+        from kvtier import PageFormat, TieredPool
+        from kvtier.index import keys as keys_mod
+        fmt = PageFormat(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4)
+        first = TieredPool(fmt, device="cpu", device_pages=16, host_pages=16, registry=None)
+        second = TieredPool(fmt, device="cpu", device_pages=16, host_pages=16, registry=None)
+        keys = [os.urandom(keys_mod.ID_CACHE_MAX_KEY) for _ in range(8)]
+        before = [sys.getrefcount(k) for k in keys]
+        slots = first.allocate(len(keys))
+        first.commit(keys, slots)
+        first.release(slots)
+        assert first.match(keys).total == len(keys)
+        held = [sys.getrefcount(k) for k in keys]
+        assert all(h > b for h, b in zip(held, before)), (before, held)
+        first.close()
+        assert [sys.getrefcount(k) for k in keys] == held, "another pool is still open"
+        second.close()
+        assert [sys.getrefcount(k) for k in keys] == before
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr[-3000:]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -83,6 +84,27 @@ def clear_id_cache() -> None:
     """Forget every cached key id."""
     global _young, _old, _young_chars
     _young, _old, _young_chars = {}, {}, 0
+
+
+# Pools hold the cache while they are open; when the last one closes its keys are let go.
+_holders = 0
+_holders_lock = threading.Lock()
+
+
+def hold_id_cache() -> None:
+    """A pool opened: the cache serves it until ``release_id_cache``."""
+    global _holders
+    with _holders_lock:
+        _holders += 1
+
+
+def release_id_cache() -> None:
+    """A pool closed; the last one to close empties the cache (keys of any size it kept)."""
+    global _holders
+    with _holders_lock:
+        _holders = max(0, _holders - 1)
+        if _holders == 0:
+            clear_id_cache()
 
 
 def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
 from kvtier.index.key_table import MANY
-from kvtier.index.keys import key_ids
+from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
@@ -258,6 +258,7 @@ class TieredPool(Movement, TierRoom):
         if background_copies:
             self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
             self._offloader.start()
+        hold_id_cache()
 
     # --- engine-facing views -------------------------------------------------------------
     def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -966,13 +967,16 @@ class TieredPool(Movement, TierRoom):
             ticket.synchronize()
         self.engine.close()
         if self._link is not None:
-            stopped = self._link.close(max(0.0, deadline - time.monotonic()) + 1.0)
+            # What is left of the deadline (a few ms at least, for threads already stopping):
+            # a writer a stuck disk holds is left behind, never waited for past the timeout.
+            stopped = self._link.close(max(0.05, deadline - time.monotonic()))
             if stopped:
                 self.remote.unregister_host_memory(self.host_tier.buffer.view(-1))
                 if self._owns_remote:
                     self.remote.close()
         self.host_tier.close()
         unregister_pool(self._registry, self)
+        release_id_cache()
         return left + gone
 
     def latency_snapshot(self) -> dict[str, tuple[list[int], float]]:
