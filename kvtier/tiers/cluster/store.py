@@ -105,6 +105,8 @@ class ClusterStore:
         self._breaker = CircuitBreaker(backoff_s, backoff_max_s)
         self._breaker_lock = threading.Lock()
         self._outage_logged = False
+        # Bumped from the pool's reader and writer threads (and a caller's): under one lock.
+        self._stats_lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.seconds = {"get": 0.0, "put": 0.0, "exists": 0.0}
 
@@ -126,7 +128,7 @@ class ClusterStore:
             was_healthy = self._breaker.healthy
             self._breaker.record(error is None, None if error is None else str(error))
             if error is not None and was_healthy:
-                self.counters["breaker_opens"] += 1
+                self._add(self.counters, "breaker_opens", 1)
                 if not self._outage_logged:
                     self._outage_logged = True
                     log.warning("cluster tier unavailable (%s); pages stay in the local tiers until it answers", error)
@@ -151,8 +153,8 @@ class ClusterStore:
             self._outcome(exc)
             return [False] * len(ids)
         self._outcome(None)
-        self.counters["exists_calls"] += 1
-        self.seconds["exists"] += time.perf_counter() - start
+        self._add(self.counters, "exists_calls", 1)
+        self._add(self.seconds, "exists", time.perf_counter() - start)
         return [c == 1 for c in codes]
 
     def put_ids(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
@@ -161,7 +163,7 @@ class ClusterStore:
         if not ids:
             return []
         if not self._allow():
-            self.counters["skipped_writes"] += len(ids)
+            self._add(self.counters, "skipped_writes", len(ids))
             return [False] * len(ids)
         start = time.perf_counter()
         out: list[bool] = []
@@ -170,10 +172,10 @@ class ClusterStore:
                 out += self._put_chunk(ids, pages, lo, min(len(ids), lo + self.chunk_pages))
         except ClusterUnavailable as exc:
             self._outcome(exc)
-            self.counters["write_failures"] += len(ids) - len(out)
+            self._add(self.counters, "write_failures", len(ids) - len(out))
             return out + [False] * (len(ids) - len(out))
         self._outcome(None)
-        self.seconds["put"] += time.perf_counter() - start
+        self._add(self.seconds, "put", time.perf_counter() - start)
         return out
 
     def _put_chunk(self, ids, pages: list, lo: int, hi: int) -> list[bool]:
@@ -201,9 +203,9 @@ class ClusterStore:
                 codes = self.client.put(keys, ptrs, sizes)
         ok = [c == 0 for c in codes]
         written = sum(ok)
-        self.counters["pages_written"] += written
-        self.counters["bytes_written"] += written * self.object_bytes
-        self.counters["write_failures"] += len(ok) - written
+        self._add(self.counters, "pages_written", written)
+        self._add(self.counters, "bytes_written", written * self.object_bytes)
+        self._add(self.counters, "write_failures", len(ok) - written)
         return ok
 
     def _page_pieces(self, buffers: Sequence[Buffer], count: int) -> list[list[tuple[int, int]]]:
@@ -230,7 +232,7 @@ class ClusterStore:
         if not ids:
             return []
         if not self._allow():
-            self.counters["skipped_reads"] += len(ids)
+            self._add(self.counters, "skipped_reads", len(ids))
             return [False] * len(ids)
         start = time.perf_counter()
         out: list[bool] = []
@@ -239,10 +241,10 @@ class ClusterStore:
                 out += self._get_chunk(ids, pages, lo, min(len(ids), lo + self.chunk_pages))
         except ClusterUnavailable as exc:
             self._outcome(exc)
-            self.counters["read_failures"] += len(ids) - len(out)
+            self._add(self.counters, "read_failures", len(ids) - len(out))
             return out + [False] * (len(ids) - len(out))
         self._outcome(None)
-        self.seconds["get"] += time.perf_counter() - start
+        self._add(self.seconds, "get", time.perf_counter() - start)
         if prefix and False in out:
             first = out.index(False)
             out[first:] = [False] * (len(out) - first)
@@ -277,13 +279,13 @@ class ClusterStore:
                 if not good and (code >= 0 or code == BUFFER_TOO_SMALL):  # an object, but not ours
                     bad.append(keys[row])
                 elif not good and code != OBJECT_NOT_FOUND:
-                    self.counters["read_failures"] += 1
+                    self._add(self.counters, "read_failures", 1)
                 ok.append(good)
         hits = sum(ok)
-        self.counters["hits"] += hits
-        self.counters["misses"] += sum(1 for c in codes if c == OBJECT_NOT_FOUND)
-        self.counters["corrupt_reads"] += len(bad)
-        self.counters["bytes_read"] += hits * self.object_bytes
+        self._add(self.counters, "hits", hits)
+        self._add(self.counters, "misses", sum(1 for c in codes if c == OBJECT_NOT_FOUND))
+        self._add(self.counters, "corrupt_reads", len(bad))
+        self._add(self.counters, "bytes_read", hits * self.object_bytes)
         if bad:
             log.warning("cluster tier: %d objects failed their record check (first %s); removed", len(bad), bad[0])
             self.client.remove(bad)
@@ -313,10 +315,16 @@ class ClusterStore:
     def unregister_host_memory(self, buffer) -> None:
         self.client.unregister(pointer(buffer, "host memory")[0])
 
+    def _add(self, table: dict, name: str, amount) -> None:
+        with self._stats_lock:
+            table[name] += amount
+
     def stats(self) -> dict:
         """The cluster's counters under "cluster" (beside a local store's own in a chain)."""
-        return {"cluster": {**self.counters, "get_seconds": self.seconds["get"], "put_seconds": self.seconds["put"],
-                "exists_seconds": self.seconds["exists"], "breaker_state": self.breaker_state,
+        with self._stats_lock:
+            counters, seconds = dict(self.counters), dict(self.seconds)
+        return {"cluster": {**counters, "get_seconds": seconds["get"], "put_seconds": seconds["put"],
+                "exists_seconds": seconds["exists"], "breaker_state": self.breaker_state,
                 "breaker_code": int(self._breaker.state),
                 "connected": int(self.client.connected)}}
 
