@@ -95,3 +95,20 @@ def test_old_and_new_names_give_the_same_store(tmp_path, gen):
     finally:
         old.close()
         new.close()
+
+
+def test_a_store_whose_parent_is_missing_is_refused_unless_asked_to_create_it(tmp_path, gen):
+    """A mistyped mount point stops the server (RemoteStore names the directory and the key);
+    remote_create makes the parents."""
+    from kvtier.tiers.remote.errors import StoreLocationError
+
+    missing = tmp_path / "mnt" / "kv" / "store"
+    with pytest.raises(StoreLocationError, match="remote_create|create=True"):
+        backend_with(tmp_path, {"remote": str(missing)})
+    assert not (tmp_path / "mnt").exists()
+    backend, pool = backend_with(tmp_path, {"remote": str(missing), "remote_create": True})
+    try:
+        round_trip(backend, pool, gen, "create")
+        assert missing.is_dir()
+    finally:
+        backend.close()

@@ -196,7 +196,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         # keys, from the extra config, its `config` file or KVTIER_CLUSTER / KVTIER_CLUSTER_<SETTING>.
         self._cluster = self.settings.cluster
         self.storage_config = storage_config
-        os.makedirs(_directory(self.settings.path), exist_ok=True)
+        if self.settings.store_kwargs.get("create"):
+            os.makedirs(_directory(self.settings.path), exist_ok=True)
         self.registered_pools = {}
         self._anchor: Optional[_Lane] = None
         self._lanes: dict[str, _Lane] = {}
