@@ -132,6 +132,7 @@ def _samples(registry) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+@pytest.mark.stress
 def test_master_killed_mid_run_degrades_to_local_tiers_and_recovers_after_restart(mooncake_master, caplog):
     registry = CollectorRegistry()
     writer, reader = _pool(mooncake_master, registry), _pool(mooncake_master)
@@ -177,6 +178,7 @@ def test_master_killed_mid_run_degrades_to_local_tiers_and_recovers_after_restar
         reader.close()
 
 
+@pytest.mark.stress
 def test_pool_opens_before_the_master_and_joins_it_when_it_starts(tmp_path):
     master = Master(tmp_path)
     pool = TieredPool(small_format(), device_pages=16, host_pages=16, cluster=master.settings(), registry=None)

@@ -33,6 +33,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=60)
 
 
+pytestmark = pytest.mark.stress  # a frozen file system: a fault-injection run (make stress)
+
+
 @pytest.fixture
 def frozen_fs(tmp_path):
     """(mount point, freeze(), thaw()) of a fresh 256 MiB ext4 on a loop device."""

@@ -225,6 +225,7 @@ def rebuild_killed_at(directory: Path, kill_at: int) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.stress
 def test_a_rebuild_sigkilled_at_every_step_with_writes_between_loses_no_page(tmp_path):
     """The index lost its last commits (a rebuild is due); the rebuild is SIGKILLed at step k,
     a service writes, and the next rebuild runs to the end: every page stored reads back."""
