@@ -112,3 +112,17 @@ def test_a_store_whose_parent_is_missing_is_refused_unless_asked_to_create_it(tm
         assert missing.is_dir()
     finally:
         backend.close()
+
+
+def test_pool_keys_given_inline_are_checked_and_left_to_sglang(tmp_path):
+    extra = {"remote": str(tmp_path), "device": "cuda:0", "write_policy": "write_back",
+             "format": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "page_size": 4, "dtype": "bf16"}}
+    backend, _ = backend_with(tmp_path, extra)
+    try:
+        assert backend.settings.left_to_sglang == ("device", "format", "write_policy")
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="write_policy"):
+        backend_with(tmp_path, {**extra, "write_policy": "write_sometimes"})
+    with pytest.raises(ValueError, match="num_layers"):
+        backend_with(tmp_path, {**extra, "format": {"num_layers": 0}})

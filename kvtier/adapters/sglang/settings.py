@@ -112,6 +112,10 @@ class BackendSettings:
         tag = extra.get("namespace_tag")
         if tag is not None and not isinstance(tag, str):
             raise ValueError(f"{FLAG}: \"namespace_tag\" must be a string or absent, got {tag!r}")
+        if "format" in inline:  # a format table given inline is read as a configuration's own
+            if config is not None:
+                raise ValueError(f"{FLAG}: \"format\" is given inline and in the \"config\" file; give it once")
+            config = {"format": inline.pop("format")}
         try:
             store, others = store_kwargs(config, **inline)
         except ConfigError as err:
