@@ -161,7 +161,7 @@ def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
     args["q"] = (args["q"].float() * q_mult).bfloat16()
     args["v_scales"] = args["v_scales"] * v_mult
     for fp8_dot, dot_dtype in (("fp16", torch.float16), ("query", torch.bfloat16), ("pairs", torch.float16),
-                               ("pairs_vmax", torch.float16), ("pairs_lean", torch.float16)):
+                               ("pairs_vmax", torch.float16), ("pairs_lean", torch.float16), ("mma", torch.bfloat16)):
         out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
         paged_decode_attention(**args, out=out, num_splits=3, block_n=32, fp8_dot=fp8_dot)
         assert_close_to_reference(out, args, dot_dtype)
@@ -170,16 +170,49 @@ def test_fp8_dot_modes_over_extreme_magnitudes(dtype, scale, q_mult, v_mult):
 FP8_LAYOUT_CASES = [case for case in CASES if case[0].startswith("fp8")]
 
 
-@pytest.mark.parametrize("fp8_dot", ["query", "fp16", "pairs", "pairs_vmax", "pairs_lean"])
+@pytest.mark.parametrize("fp8_dot", ["query", "fp16", "pairs", "pairs_vmax", "pairs_lean", "mma"])
 @pytest.mark.parametrize("dtype,scale,layout", FP8_LAYOUT_CASES)
 def test_every_fp8_dot_mode_matches_float64_reference(dtype, scale, layout, fp8_dot):
     """Each way of running the dots over fp8 pages, over random shapes, splits and block sizes;
-    "fp16" and "pairs" hold fp16's bound (their dots see the probabilities in fp16)."""
+    "fp16" and "pairs" hold fp16's bound (their dots see the probabilities in fp16), "mma" bf16's
+    (the probabilities in two e4m3 terms)."""
     seed = 700 + FP8_LAYOUT_CASES.index((dtype, scale, layout))
     args = make_case(seed, dtype, scale, layout)
     out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
     paged_decode_attention(**args, out=out, num_splits=1 + seed % 3, block_n=16 << (seed % 3), fp8_dot=fp8_dot)
-    assert_close_to_reference(out, args, torch.bfloat16 if fp8_dot == "query" else torch.float16)
+    assert_close_to_reference(out, args, torch.bfloat16 if fp8_dot in ("query", "mma") else torch.float16)
+
+
+@pytest.mark.parametrize("q_dtype", ["bf16", "fp16"])
+def test_mma_query_terms_over_the_query_dtype(q_dtype):
+    """fp8_dot="mma" holds a bf16 query in two e4m3 terms and an fp16 one in three: an fp16
+    query with every element's low mantissa bits set still meets the bound."""
+    args = make_case(960, "fp8_e4m3", "per_token_head", "nhd", page_size=16, max_len=200, group=8, kv_heads=2)
+    q = args["q"].float()
+    if q_dtype == "fp16":
+        q = (q.half().view(torch.int16) | 0x7).view(torch.float16).float()
+    args["q"] = q.to(TORCH_DTYPES[q_dtype])
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=2, block_n=64, fp8_dot="mma")
+    assert_close_to_reference(out, args, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "dtype,scale,fp8_dot",
+    [("bf16", "none", None), ("fp8_e4m3", "per_token_head", "pairs"), ("fp8_e5m2", "per_page_head", "query"),
+     ("fp8_e4m3", "per_tensor", "mma")],
+)
+def test_page_ahead_gives_the_same_output(dtype, scale, fp8_dot):
+    """Loading the page table one step ahead changes when the entries are read, not the sums:
+    the output is bit-identical with page_ahead on and off, over splits that end mid-block."""
+    args = make_case(970 + len(dtype), dtype, scale, "hnd", page_size=4, max_len=300, batch=3)
+    outs = []
+    for page_ahead in (False, True):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, num_splits=3, block_n=32, fp8_dot=fp8_dot, page_ahead=page_ahead)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close_to_reference(outs[1], args, torch.bfloat16 if fp8_dot in ("query", "mma") else None)
 
 
 def assert_pairs_read_as_query_does(inputs: dict, args: dict) -> None:

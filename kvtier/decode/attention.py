@@ -60,8 +60,14 @@ LOG2E = 1.4426950408889634
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
-FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean")
-BLOCK_N = {True: 128, False: 64}  # default block_n for fp8 pages / 16-bit pages (measured, H200)
+FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "mma")
+# The kernel configuration a call gets where it names none, for fp8 pages and for 16-bit pages: the
+# fastest of configuration searches on an H200 (BENCHMARKS.md, "Decode attention kernel").
+DEFAULT_CONFIGS = {
+    "fp8": dict(block_n=128, num_warps=4, num_stages=2, fp8_dot="pairs", page_ahead=False),
+    "16-bit": dict(block_n=64, num_warps=4, num_stages=2, page_ahead=False),
+}
+BLOCK_N = {fp8: DEFAULT_CONFIGS["fp8" if fp8 else "16-bit"]["block_n"] for fp8 in (True, False)}
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
 MIN_DOT = 16
 # Split-KV cuts sequences so that the programs fill whole waves: PROGRAMS_PER_SM programs of the
@@ -81,13 +87,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _fp16_query_powers(q_max, qk_scale):
-    """(score scale, query factor) for dots in fp16: the query times the factor, a power of two,
-    puts its largest element |q_max| in [2^13, 2^14) (exact), and the score scale takes it back."""
+def _query_powers(q_max, qk_scale, TOP: tl.constexpr):
+    """(score scale, query factor): the query times the factor, a power of two, puts its largest
+    element |q_max| in [2^TOP, 2^(TOP+1)) (exact), and the score scale takes it back. TOP 13 suits
+    dots in fp16, 7 query terms in e4m3 (largest finite 448)."""
     # Biased exponent e of q_max, clamped so that both powers of two below are normal.
     e = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(tl.maximum(e, 14), 254)
-    return qk_scale * ((e - 13) << 23).to(tl.float32, bitcast=True), ((267 - e) << 23).to(tl.float32, bitcast=True)
+    e = tl.minimum(tl.maximum(e, TOP + 1), 254)
+    return qk_scale * ((e - TOP) << 23).to(tl.float32, bitcast=True), ((254 + TOP - e) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -103,12 +110,35 @@ def _split_range(LENS, tokens_per_split):
 
 
 @triton.jit
+def _block_pages(PT, b, stride_ptb, n0, end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Each token's page for the block of tokens from n0 (0 past `end`)."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=tok < end, other=0).to(tl.int64)
+
+
+@triton.jit
 def _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """The block of tokens from n0: (live, each token's page, its row in the page)."""
     tok = n0 + tl.arange(0, BLOCK_N)
-    live = tok < end
-    page = tl.load(PT + b * stride_ptb + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
-    return live, page, tok % PAGE_SIZE
+    return tok < end, _block_pages(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE), tok % PAGE_SIZE
+
+
+@triton.jit
+def _next_block(PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                PAGE_AHEAD: tl.constexpr):
+    """(live, page, row) of the block from n0 and the page table's entries for the block after it.
+
+    Under PAGE_AHEAD the pages come from `page_ahead`, loaded one step earlier, so that the K and
+    V addresses of a step do not wait on a load issued in that step (which keeps Triton's
+    pipeliner from putting the page loads a stage ahead); else they are loaded here and
+    `page_ahead` is passed through."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    if PAGE_AHEAD:
+        page = page_ahead
+        page_ahead = _block_pages(PT, b, stride_ptb, n0 + BLOCK_N, end, BLOCK_N, PAGE_SIZE)
+    else:
+        page = _block_pages(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
+    return tok < end, page, tok % PAGE_SIZE, page_ahead
 
 
 @triton.jit
@@ -141,6 +171,7 @@ def _decode_split(
     F16: tl.constexpr,
     DOT_F32: tl.constexpr,
     SINGLE: tl.constexpr,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
 
@@ -161,13 +192,17 @@ def _decode_split(
         score_scale = qk_scale
         if F16:
             q32 = q.to(tl.float32)
-            score_scale, q_factor = _fp16_query_powers(tl.max(tl.max(tl.abs(q32), 1), 0), qk_scale)
+            score_scale, q_factor = _query_powers(tl.max(tl.max(tl.abs(q32), 1), 0), qk_scale, 13)
             q = (q32 * q_factor).to(tl.float16)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        page_ahead = 0
+        if PAGE_AHEAD:
+            page_ahead = _block_pages(PT, b, stride_ptb, start, end, BLOCK_N, PAGE_SIZE)
         for n0 in range(start, end, BLOCK_N):
-            live, page, row = _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
+            live, page, row, page_ahead = _next_block(
+                PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
             k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
             v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
             k = tl.load(k_ptr, mask=live[:, None], other=0)
@@ -269,6 +304,7 @@ def _decode_split_pairs(
     SINGLE: tl.constexpr,
     SPLIT_VMAX: tl.constexpr = False,
     ROW_SUMS: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
 
@@ -296,7 +332,7 @@ def _decode_split_pairs(
         q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
         q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
         q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
-        score_scale, q_factor = _fp16_query_powers(q_max, qk_scale)
+        score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
         q_even = (q_even * q_factor).to(tl.float16)
         q_odd = (q_odd * q_factor).to(tl.float16)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -312,8 +348,12 @@ def _decode_split_pairs(
                 v_tops = tl.maximum(v_tops, _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live))
             v_top = tl.max(v_tops, 0)
             v_top = tl.where(v_top > 0, v_top, 1.0)
+        page_ahead = 0
+        if PAGE_AHEAD:
+            page_ahead = _block_pages(PT, b, stride_ptb, start, end, BLOCK_N, PAGE_SIZE)
         for n0 in range(start, end, BLOCK_N):
-            live, page, row = _block_tokens(PT, b, stride_ptb, n0, end, BLOCK_N, PAGE_SIZE)
+            live, page, row, page_ahead = _next_block(
+                PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
             k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
             v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
             k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
@@ -367,6 +407,141 @@ def _decode_split_pairs(
             o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
             tl.store(o_ptr, acc_even / divisor[:, None], mask=mask_h[:, None])
             tl.store(o_ptr + 1, acc_odd / divisor[:, None], mask=mask_h[:, None])
+            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+
+
+@triton.jit
+def _to_e4m3(x, BY_BITS: tl.constexpr):
+    """fp32 `x` (|x| <= 448) rounded to the nearest e4m3 value, ties to even.
+
+    BY_BITS rounds in fp32 first (normal values to 3 mantissa bits through their bits, subnormal
+    ones to multiples of 2^-9 by adding and taking off 2^14), so the conversion only has exact
+    values to convert: Triton's interpreter (3.9) rounds 127.0 to 64.0, losing the carry into the
+    exponent. On the GPU one cvt.rn.satfinite does it."""
+    if BY_BITS:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) < 0.015625, (x + 16384.0) - 16384.0, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _fp8_terms(x, TERMS: tl.constexpr, BY_BITS: tl.constexpr):
+    """fp32 `x` as a sum of TERMS e4m3 tensors (hi, mid, lo; mid and lo zero when fewer terms).
+
+    Each term rounds what the earlier ones left, so two terms hold 8 significant bits (a bf16
+    value exactly, where it is within e4m3's normal range) and three hold 12 (an fp16 value)."""
+    hi = _to_e4m3(x, BY_BITS)
+    rest = x - hi.to(tl.float32)
+    mid = _to_e4m3(rest, BY_BITS)
+    lo = _to_e4m3(rest - mid.to(tl.float32), BY_BITS)
+    if TERMS < 2:
+        mid = tl.zeros_like(hi)
+    if TERMS < 3:
+        lo = tl.zeros_like(hi)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_terms(a, b_hi, b_mid, b_lo, acc, TERMS: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + a . (b_hi + b_mid + b_lo), one dot per term (a and the terms fp8)."""
+    if DOT_F32:  # the interpreter's dot: fp32 operands holding the same values
+        a = a.to(tl.float32)
+        b_hi = b_hi.to(tl.float32)
+        b_mid = b_mid.to(tl.float32)
+        b_lo = b_lo.to(tl.float32)
+    acc = tl.dot(a, b_hi, acc)
+    if TERMS > 1:
+        acc = tl.dot(a, b_mid, acc)
+    if TERMS > 2:
+        acc = tl.dot(a, b_lo, acc)
+    return acc
+
+
+@triton.jit
+def _decode_split_mma(
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    qk_scale,
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh,
+    stride_vsp, stride_vst, stride_vsh,
+    stride_ptb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    Q_TERMS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PAGE_AHEAD: tl.constexpr = False,
+):
+    """_decode_split for fp8 pages with both dots on fp8 tensor cores, transposed: the pages' tile
+    is the dots' first operand (BLOCK_N tokens or HEAD_DIM rows, enough for a warpgroup's MMA)
+    and the query heads of the kv head, padded to BLOCK_H, are the columns.
+
+    K and V go into the dots as fp8, as loaded; the query and the probabilities become sums of
+    e4m3 terms (_fp8_terms), one dot per term: the query, scaled by a power of two so its largest
+    element lies in [2^7, 2^8), in Q_TERMS terms (2 hold a bf16 query exactly, 3 an fp16 one);
+    the probabilities, relative to each head's largest score in the block and times V's scales
+    divided by the block's largest, times 2^8, in two terms (8 significant bits, a bf16 query's
+    precision). Both factors come back in fp32.
+    """
+    b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
+    if start < end:
+        fp8_type: tl.constexpr = tl.float8e4nv if FP8 == 1 else tl.float8e5
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_d = tl.arange(0, HEAD_DIM)
+        # The query transposed: (HEAD_DIM, BLOCK_H).
+        q = tl.load(Q + b * stride_qb + heads[None, :] * stride_qh + offs_d[:, None], mask=mask_h[None, :], other=0.0)
+        q = q.to(tl.float32)
+        score_scale, q_factor = _query_powers(tl.max(tl.max(tl.abs(q), 1), 0), qk_scale, 7)
+        q_hi, q_mid, q_lo = _fp8_terms(q * q_factor, Q_TERMS, DOT_F32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
+        page_ahead = 0
+        if PAGE_AHEAD:
+            page_ahead = _block_pages(PT, b, stride_ptb, start, end, BLOCK_N, PAGE_SIZE)
+        for n0 in range(start, end, BLOCK_N):
+            live, page, row, page_ahead = _next_block(
+                PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
+            k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+            k = tl.load(k_ptr, mask=live[:, None], other=0).to(fp8_type, bitcast=True)
+            score = _dot_terms(k, q_hi, q_mid, q_lo, tl.zeros([BLOCK_N, BLOCK_H], tl.float32), Q_TERMS, DOT_F32)
+            k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
+            score = score * (k_scale * score_scale)[:, None]
+            score = tl.where(live[:, None], score, float("-inf"))
+            m_block = tl.max(score, 0)
+            m_new = tl.maximum(m, m_block)
+            alpha = tl.exp2(m - m_new)
+            weight = tl.exp2(m_block - m_new)
+            p = tl.exp2(score - m_block[None, :])
+            s = s * alpha + tl.sum(p, 0) * weight
+            v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
+            v_max = tl.max(v_scale, 0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            p_hi, p_lo, _unused = _fp8_terms(p * (v_scale * (256.0 / v_max))[:, None], 2, DOT_F32)
+            v_ptr = V + page[None, :] * stride_vp + row[None, :] * stride_vt + kvh * stride_vh + offs_d[:, None]
+            v = tl.load(v_ptr, mask=live[None, :], other=0).to(fp8_type, bitcast=True)
+            pv = _dot_terms(v, p_hi, p_lo, p_lo, tl.zeros([HEAD_DIM, BLOCK_H], tl.float32), 2, DOT_F32)
+            acc = acc * alpha[None, :] + pv * (weight * (v_max / 256.0))[None, :]
+            m = m_new
+        if SINGLE:
+            o_ptr = OUT + b * stride_outb + heads[None, :] * stride_outh + offs_d[:, None]
+            tl.store(o_ptr, (acc / s[None, :]).to(OUT.dtype.element_ty), mask=mask_h[None, :])
+        else:
+            o_ptr = MID_O + b * stride_ob + heads[None, :] * stride_oh + split * stride_os + offs_d[:, None]
+            tl.store(o_ptr, acc / s[None, :], mask=mask_h[None, :])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
 
 
@@ -557,9 +732,10 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    fp8_dot: str = "pairs",
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_dot: str | None = None,
+    page_ahead: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -576,16 +752,22 @@ def paged_decode_attention(
     16, are read as under "query"), "pairs_vmax" / "pairs_lean" (the same with fewer reductions
     in the loop, see _decode_split_pairs; measured against "pairs" by
     scripts/h200_kernels_at_the_limit.py), "query" (pages converted to q's dtype, as 16-bit pages are read) or "fp16"
-    (see _decode_split's F16).
-    block_n: KV tokens a program reads per step (default BLOCK_N: 128 for fp8 pages, 64 for
-    16-bit pages). The defaults are the fastest of configuration searches on an H200 at batch
-    16 x 16k tokens (BENCHMARKS.md): fp8 pages 3.13 TB/s with (128, 4 warps, 2 stages, "pairs")
-    against 2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
+    (see _decode_split's F16), "mma" (both dots on fp8 tensor cores with the pages as they are,
+    the query and the probabilities as sums of e4m3 terms: bf16's precision; see _decode_split_mma).
+    block_n: KV tokens a program reads per step. page_ahead: load the page table's entries for
+    the next step one step early (see _next_block). block_n, num_warps, num_stages, fp8_dot and
+    page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
+    H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
+    2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
     Returns `out` (q's dtype or float32; a new tensor of q's dtype when None).
     """
     page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
-    if block_n is None:
-        block_n = BLOCK_N[k_pages.dtype in FP8_KINDS]
+    defaults = DEFAULT_CONFIGS["fp8" if k_pages.dtype in FP8_KINDS else "16-bit"]
+    block_n = defaults["block_n"] if block_n is None else block_n
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
+    fp8_dot = defaults.get("fp8_dot", "pairs") if fp8_dot is None else fp8_dot
+    page_ahead = defaults["page_ahead"] if page_ahead is None else bool(page_ahead)
     if block_n < MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     if fp8_dot not in FP8_DOTS:
@@ -623,12 +805,15 @@ def paged_decode_attention(
         k_arg, v_arg = k_pages.view(torch.uint8), v_pages.view(torch.uint8)
     else:
         k_arg, v_arg = k_pages, v_pages
-    kernel = _decode_split_pairs if words is not None else _decode_split
-    flags = (
-        dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
-        if words is not None
-        else dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
-    )
+    if words is not None:
+        kernel = _decode_split_pairs
+        flags = dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
+    elif fp8 and fp8_dot == "mma":
+        kernel = _decode_split_mma
+        flags = dict(FP8=fp8, Q_TERMS=2 if q.dtype == torch.bfloat16 else 3, DOT_F32=INTERPRETED)
+    else:
+        kernel = _decode_split
+        flags = dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
     kernel[(batch, heads, splits)](
         q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out,
         sm_scale * LOG2E,
@@ -648,6 +833,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         SINGLE=single,
+        PAGE_AHEAD=page_ahead,
         **flags,
         num_warps=num_warps,
         num_stages=num_stages,
