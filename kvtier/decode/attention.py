@@ -32,9 +32,10 @@ import sys
 import torch
 
 # Triton reads TRITON_INTERPRET when it is imported (its own library functions are jitted then),
-# so the choice is made here, before the import. Without CUDA Triton cannot compile at all, so
-# interpreting changes nothing else in this process.
-if not torch.cuda.is_available():
+# so the choice is made here, before the import. Without CUDA Triton cannot run a compiled kernel,
+# so interpreting changes nothing else in this process; TRITON_INTERPRET=0, set explicitly, keeps
+# the kernels compiled, for compiling them for a GPU offline (scripts/decode_offline_sm90.py).
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "0":
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise ImportError(
             "kvtier.decode needs Triton's interpreter on a machine without CUDA, but triton was imported "

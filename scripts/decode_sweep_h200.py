@@ -1,0 +1,239 @@
+"""One H200 call: fp8 and bf16 decode attention per kernel configuration, to choose DEFAULT_CONFIGS.
+
+Each candidate (block_n, warps, stages, page_ahead, fp8_dot) is first checked against the
+float64 reference on a small random case on the GPU (bound as in tests/test_decode_attention.py),
+then timed at batch 16 / 64 x 1k / 8k / 32k tokens as benchmarks/decode_attention.py times
+(kernels replayed from a CUDA graph, L2 flushed before each replay), as x of a device-to-device
+copy's HBM traffic measured in the same run. The fp8 step time over the bf16 default's is
+printed per shape (the goal: <= 0.6 from 8k tokens). Last, where time is left, the first pool
+in a fresh process (cold then warm kernel cache) through scripts/h200_kernels_at_the_limit.py.
+
+Fails soft per candidate and shape; stops starting new work past --budget seconds. Prints
+tables and writes $OUT/decode_sweep.json (OUT defaults to /tmp) after every shape.
+
+    PYTHONPATH=. python3 scripts/decode_sweep_h200.py --budget 230
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import decode_attention as bench  # noqa: E402  benchmarks/decode_attention.py
+
+from kvtier.decode import attention  # noqa: E402
+from kvtier.decode.attention import paged_decode_attention, reference_decode_attention  # noqa: E402
+from kvtier.format import quantize  # noqa: E402
+
+
+def _config(block_n, warps, stages, page_ahead=False, fp8_dot=None):
+    """Keyword arguments of paged_decode_attention (a "programs_per_sm" key, where added, sets
+    attention.PROGRAMS_PER_SM for the call's split plan instead)."""
+    config = dict(block_n=block_n, num_warps=warps, num_stages=stages, page_ahead=page_ahead)
+    if fp8_dot is not None:
+        config["fp8_dot"] = fp8_dot
+    return config
+
+
+# Offline compiles for sm_90 (scripts/decode_offline_sm90.py) give each one's registers and shared
+# memory: all fit the H200's 232,448 bytes a block; "mma" at 128 tokens / 4 warps takes ~190
+# registers a thread, so two programs an SM (programs_per_sm sets the split plan's target).
+CANDIDATES = {
+    "fp8": {
+        "pairs 128/4w/2s (default)": _config(128, 4, 2, False, "pairs"),
+        "pairs 128/4w/2s ahead": _config(128, 4, 2, True, "pairs"),
+        "pairs 128/4w/3s ahead": _config(128, 4, 3, True, "pairs"),
+        "pairs 64/4w/3s ahead": _config(64, 4, 3, True, "pairs"),
+        "pairs 64/4w/4s ahead": _config(64, 4, 4, True, "pairs"),
+        "pairs 128/8w/2s ahead": _config(128, 8, 2, True, "pairs"),
+        "pairs_lean 128/4w/2s ahead": _config(128, 4, 2, True, "pairs_lean"),
+        "mma 128/4w/2s": _config(128, 4, 2, False, "mma"),
+        "mma 128/4w/2s ahead": _config(128, 4, 2, True, "mma"),
+        "mma 128/4w/3s ahead": _config(128, 4, 3, True, "mma"),
+        "mma 64/4w/3s ahead": _config(64, 4, 3, True, "mma"),
+        "mma 256/4w/2s ahead": _config(256, 4, 2, True, "mma"),
+        "mma 128/8w/3s ahead": _config(128, 8, 3, True, "mma"),
+        "mma 128/4w/2s ahead, 2 per SM": dict(_config(128, 4, 2, True, "mma"), programs_per_sm=2),
+    },
+    "bf16": {
+        "bf16 64/4w/2s (default)": _config(64, 4, 2),
+        "bf16 64/4w/2s ahead": _config(64, 4, 2, True),
+        "bf16 64/4w/3s ahead": _config(64, 4, 3, True),
+        "bf16 128/8w/2s ahead": _config(128, 8, 2, True),
+    },
+}
+SHAPES = [(b, c) for b in (16, 64) for c in (1024, 8192, 32768)]
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def kernel_args(config: dict) -> dict:
+    return {key: value for key, value in config.items() if key != "programs_per_sm"}
+
+
+def numerics(dtype: str, config: dict, gen: torch.Generator, device: str = "cuda") -> float:
+    """Worst error / bound of `config` on a random case of 3 sequences (bound: the dot dtype's ulp
+    times the attention over |V|, plus fp32 noise; fp16 dots under "pairs", bf16's otherwise)."""
+    batch, kv_heads, group, head_dim, page = 3, 8, 4, 128, 16
+    lens = torch.tensor([1000, 1, 777], dtype=torch.int32)
+    pages = -(-int(lens.max()) // page)
+    shape = (batch * pages, page, kv_heads, head_dim)
+    table = torch.randperm(batch * pages, generator=gen).view(batch, pages).int()
+    q = torch.randn((batch, kv_heads * group, head_dim), generator=gen).bfloat16()
+    args = dict(q=q, page_table=table, seq_lens=lens)
+    if dtype == "bf16":
+        args.update(k_pages=torch.randn(shape, generator=gen).bfloat16(), v_pages=torch.randn(shape, generator=gen).bfloat16())
+    else:
+        k, ks = quantize(torch.randn(shape, generator=gen), "fp8_e4m3", "per_token_head", "nhd")
+        v, vs = quantize(torch.randn(shape, generator=gen), "fp8_e4m3", "per_token_head", "nhd")
+        args.update(k_pages=k, v_pages=v, k_scales=ks, v_scales=vs, scale="per_token_head")
+    ref = reference_decode_attention(**args)
+    abs_v = args["v_pages"].view(torch.uint8) & 0x7F if dtype != "bf16" else args["v_pages"].view(torch.int16) & 0x7FFF
+    mean_abs_v = reference_decode_attention(**dict(args, v_pages=abs_v.view(args["v_pages"].dtype)))
+    gpu = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in args.items()}
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)
+    paged_decode_attention(**gpu, out=out, num_splits=2, **kernel_args(config))
+    dot = torch.float16 if config.get("fp8_dot", "").startswith("pairs") else torch.bfloat16
+    bound = (ULP[dot] + 1e-5) * mean_abs_v + 2.0**-23 * ref.abs()
+    return float(((out.cpu().double() - ref).abs() / bound).max())
+
+
+def run(args: argparse.Namespace, report: dict, out_file: Path) -> None:
+    began = time.perf_counter()
+
+    def left() -> float:
+        return args.budget - (time.perf_counter() - began)
+
+    copy = bench.copy_rate(True, "cuda")
+    report["copy"] = copy
+    gen = torch.Generator().manual_seed(25)
+    checks = report.setdefault("numerics", {})
+    for dtype, candidates in CANDIDATES.items():
+        for name, config in candidates.items():
+            try:
+                checks[name] = {"worst_over_bound": numerics(dtype, config, gen)}
+            except Exception as error:  # noqa: BLE001 - a candidate that fails to compile is reported
+                checks[name] = {"error": repr(error)[:400]}
+            print(f"numerics {name:<30} {checks[name]}", flush=True)
+    rows = report.setdefault("rows", [])
+    default_per_sm = attention.PROGRAMS_PER_SM
+    for batch, context in SHAPES:
+        for dtype, candidates in CANDIDATES.items():
+            if left() < 0:
+                report["stopped"] = f"budget spent before {dtype} batch {batch} x {context}"
+                return
+            try:
+                inputs = bench.make_inputs(batch, context, dtype, "cuda", gen)
+            except Exception as error:  # noqa: BLE001
+                rows.append(dict(dtype=dtype, batch=batch, context=context, variant="inputs", error=repr(error)))
+                continue
+            nbytes = bench.bytes_read(inputs, context)
+            for name, config in candidates.items():
+                if "error" in checks.get(name, {}) or checks.get(name, {}).get("worst_over_bound", 0) > 1:
+                    continue
+                attention.PROGRAMS_PER_SM = config.get("programs_per_sm", default_per_sm)
+                try:
+                    seconds = bench.time_replay(lambda: paged_decode_attention(**inputs, **kernel_args(config)))
+                    gbps = nbytes / seconds / 1e9
+                    rows.append(dict(dtype=dtype, batch=batch, context=context, variant=name, us=seconds * 1e6,
+                                     gbps=gbps, of_copy=gbps / copy["hbm_gbps"]))
+                except Exception as error:  # noqa: BLE001
+                    rows.append(dict(dtype=dtype, batch=batch, context=context, variant=name, error=repr(error)[:300]))
+                finally:
+                    attention.PROGRAMS_PER_SM = default_per_sm
+            del inputs
+            torch.cuda.empty_cache()
+            out_file.write_text(json.dumps(report, indent=1, default=str))
+
+
+def print_tables(report: dict) -> None:
+    rows = report.get("rows", [])
+    copy = report.get("copy", {}).get("hbm_gbps", 0)
+    print(f"\n== decode attention, graph replay: x of the D2D copy's HBM traffic ({copy:.0f} GB/s); us in brackets")
+    print(f"{'candidate':<30}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
+    bf16 = {(r["batch"], r["context"]): r["us"] for r in rows if r.get("variant") == "bf16 64/4w/2s (default)" and "us" in r}
+    for dtype, candidates in CANDIDATES.items():
+        for name in candidates:
+            cells = []
+            for b, c in SHAPES:
+                row = next((r for r in rows if (r["variant"], r["batch"], r["context"]) == (name, b, c)), None)
+                cells.append(f"{'-':>16}" if row is None else f"{'FAIL':>16}" if "error" in row else
+                             f"{row['of_copy']:>6.2f}x ({row['us']:6.1f})")
+            print(f"{name:<30}" + "".join(cells))
+    print("fp8 step time / bf16 default step time (goal <= 0.6 from 8k tokens):")
+    for name in CANDIDATES["fp8"]:
+        ratios = [next((f"{r['us'] / bf16[(b, c)]:.2f}" for r in rows if (r["variant"], r["batch"], r["context"]) ==
+                        (name, b, c) and "us" in r and (b, c) in bf16), "-") for b, c in SHAPES]
+        print(f"{name:<30}" + "".join(f"{x:>16}" for x in ratios))
+    for name, check in report.get("numerics", {}).items():
+        if "error" in check or check["worst_over_bound"] > 1:
+            print(f"NUMERICS FAILED {name}: {check}")
+    for row in rows:
+        if "error" in row:
+            print(f"FAILED {row['variant']} batch {row['batch']} x {row['context']}: {row['error']}")
+
+
+def first_pool(report: dict) -> None:
+    """The first pool in a fresh process, cold then warm kernel cache (one empty cache directory)."""
+    import tempfile
+
+    import h200_kernels_at_the_limit as kernels  # scripts/h200_kernels_at_the_limit.py
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    runs = report.setdefault("first_pool", {})
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env["KVTIER_KERNEL_CACHE"] = cache_dir
+        for label in ("cold", "warm"):
+            try:
+                runs[label] = kernels._child(kernels.FIRST_POOL, env)
+            except Exception as error:  # noqa: BLE001 - reported, what was measured stays
+                runs[label] = {"error": str(error)[-400:]}
+            pools = {k: v["pool_s"] for k, v in runs[label].items() if isinstance(v, dict) and "pool_s" in v}
+            print(f"first pool, {label} cache: {pools or runs[label]} (s; goal <= 0.25)", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=230.0, help="seconds after which no new shape starts")
+    parser.add_argument("--no-first-pool", action="store_true", help="skip the first-pool timing at the end")
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT") or "/tmp")
+    out.mkdir(parents=True, exist_ok=True)
+    out_file = out / "decode_sweep.json"
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "default_configs": attention.DEFAULT_CONFIGS, "candidates": CANDIDATES}
+    began = time.perf_counter()
+    try:
+        from kvtier.bench.offload_bandwidth import gpu_meta
+
+        report["meta"] = gpu_meta()
+        report["meta"]["triton"] = __import__("triton").__version__
+    except Exception as error:  # noqa: BLE001
+        report["meta"] = {"error": repr(error)}
+    try:
+        run(args, report, out_file)
+    except Exception as error:  # noqa: BLE001 - what was measured stays in the JSON
+        report.setdefault("errors", []).append(repr(error))
+        traceback.print_exc()
+    print_tables(report)
+    if not args.no_first_pool and time.perf_counter() - began < args.budget + 30:
+        first_pool(report)
+    report["seconds"] = time.perf_counter() - began
+    out_file.write_text(json.dumps(report, indent=1, default=str))
+    print(f"\ntook {report['seconds']:.0f} s; JSON: {out_file}; errors: {report.get('errors', [])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
