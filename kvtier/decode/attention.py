@@ -11,7 +11,8 @@ or "hnd" layout with any strides, and two dtype paths:
   product as scaling the page first, but fp8 -> fp16 (and bf16) is exact, so the tensor-core
   dot sees exact values and the scale is applied in fp32. By default ("pairs") the pages are
   read as 16-bit words of two fp8 values, each word converted by one instruction, and the dots
-  run in fp16 over the even and the odd head_dim columns (_decode_split_pairs).
+  run in fp16 over the even and the odd head_dim columns (_decode_split_pairs). fp8_dot="mma"
+  runs both dots on fp8 tensor cores with the pages as loaded (_decode_split_mma).
 - 16-bit pages (bf16 / fp16), e.g. the bf16 pages a PageFormat with device_dtype="bf16"
   delivers by upcasting fp8 records on reload.
 
