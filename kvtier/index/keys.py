@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import operator
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -113,98 +112,55 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
 
     Raises TypeError / ValueError naming the first bad key and its position.
     """
+    global _young, _old, _young_chars
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
     if type(keys) is not list and type(keys) is not tuple:
         keys = list(keys)
-    try:
-        out = list(map(_young.get, keys))
-    except TypeError:  # an unhashable key
-        return _key_ids_one_by_one(keys)
-    kinds = set(map(type, keys))
-    if not kinds <= _PLAIN or not all(keys):  # subclasses or bad keys: the loop names a bad one
-        return _key_ids_one_by_one(keys)
-    if None not in out:
-        return out
-    # The batch's work in C but for one hash call per new key: the ids already known are read
-    # with map, the new keys are hashed in one tight loop, and remembered a chunk at a time.
-    missing = list(itertools.compress(range(len(keys)), map(operator.is_, out, itertools.repeat(None))))
-    fresh = list(map(keys.__getitem__, missing))
-    found = list(map(_old.get, fresh))
-    if None in found:
-        new = [fresh[i] for i, kid in enumerate(found) if kid is None]
-        ids = _hash_bytes(new) if kinds == _BYTES_ONLY else _hash_keys(new)
-        if len(new) == len(found):
-            found = ids
-        else:
-            made = iter(ids)
-            found = [next(made) if kid is None else kid for kid in found]
-    if len(missing) == len(out):
-        out = found
-    else:
-        for i, kid in zip(missing, found):
-            out[i] = kid
-    _remember(fresh, found)
-    return out
-
-
-_BYTES_ONLY = {bytes}
-# Keys remembered at a time: the cache's bounds are checked between chunks, so a young
-# generation never exceeds them by more than a chunk can hold (half a generation, and at most
-# 256 keys of ID_CACHE_MAX_KEY characters: 1 MiB).
-_REMEMBER_CHUNK = 256
-
-
-def _hash_bytes(keys: list[bytes]) -> list[bytes]:
-    out = []
-    append, copy = out.append, _BYTES_ID.copy
-    for key in keys:
-        h = copy()
-        h.update(key)
-        append(h.digest())
-    return out
-
-
-def _hash_keys(keys: list[str | bytes]) -> list[bytes]:
-    out = []
-    append, bytes_copy, str_copy = out.append, _BYTES_ID.copy, _STR_ID.copy
-    for key in keys:
-        if type(key) is bytes:
-            h = bytes_copy()
-            h.update(key)
-        else:
-            h = str_copy()
-            h.update(key.encode("utf-8", "surrogatepass"))
-        append(h.digest())
-    return out
-
-
-def _remember(keys: list, ids: list[bytes]) -> None:
-    """Put recent (plain, valid) keys and their ids in the young generation, turning it over
-    before a chunk would take it past ID_CACHE_GENERATION keys or ID_CACHE_GENERATION_CHARS."""
-    global _young, _old, _young_chars
-    if max(map(len, keys)) > ID_CACHE_MAX_KEY:
-        kept = [i for i, key in enumerate(keys) if len(key) <= ID_CACHE_MAX_KEY]
-        keys, ids = [keys[i] for i in kept], [ids[i] for i in kept]
-    step = max(1, min(_REMEMBER_CHUNK, ID_CACHE_GENERATION // 2))
-    for at in range(0, len(keys), step):
-        part = keys[at : at + step]
-        chars = sum(map(len, part))
-        young = _young
-        if len(young) + len(part) >= ID_CACHE_GENERATION or _young_chars + chars >= ID_CACHE_GENERATION_CHARS:
-            if young is _young:  # else another thread turned it over already
-                _young, _old, _young_chars = {}, young, 0
-            young = _young
-        young.update(zip(part, ids[at : at + step]))
-        _young_chars += chars
-
-
-def _key_ids_one_by_one(keys) -> list[bytes]:
-    """`key_ids` of a batch holding key subclasses or a bad key (named with its position)."""
-    out = []
-    for i, key in enumerate(keys):
+    # Every key of a batch seen just now (a load after its match, a step after the last): in C.
+    if len(keys) >= 8:
         try:
-            out.append(key_id(key))
+            out = list(map(_young.get, keys))
+        except TypeError:  # an unhashable key: the loop below names it
+            out = [None]
+        if None not in out and set(map(type, keys)) <= _PLAIN:
+            return out
+    out = []
+    append = out.append
+    str_id, bytes_id = _STR_ID, _BYTES_ID
+    young, old = _young, _old
+    young_get, old_get = young.get, old.get
+    for i, key in enumerate(keys):
+        kind = type(key)
+        # The common cases inline: a batch of thousands of keys is looked up on every call.
+        if (kind is bytes or kind is str) and key:
+            kid = young_get(key)
+            if kid is not None:
+                append(kid)
+                continue
+            size = len(key)
+            kid = old_get(key) if size <= ID_CACHE_MAX_KEY else None
+            if kid is None:
+                if kind is bytes:
+                    h = bytes_id.copy()
+                    h.update(key)
+                else:
+                    h = str_id.copy()
+                    h.update(key.encode("utf-8", "surrogatepass"))
+                kid = h.digest()
+            append(kid)
+            if size > ID_CACHE_MAX_KEY:
+                continue
+            young[key] = kid
+            _young_chars += size
+            if len(young) >= ID_CACHE_GENERATION or _young_chars >= ID_CACHE_GENERATION_CHARS:
+                if young is _young:  # else another thread turned it over already
+                    _young, _old, _young_chars = {}, young, 0
+                young, old = _young, _old
+                young_get, old_get = young.get, old.get
+            continue
+        try:
+            append(key_id(key))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"key {i}: {exc}") from None
     return out
