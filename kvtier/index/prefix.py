@@ -14,30 +14,33 @@ import numpy as np
 from kvtier.index.key_table import MANY
 
 CHUNK_GROWTH = 4  # each chunk after the first MANY ids is this many times the one before
+PIECE = 32  # of the first MANY ids, the device tier's are looked up this many at a time
 
 
 def walk(dev_table, host_table, ids: list[bytes], start: int, in_remote=None) -> tuple[int, int, int, int]:
     """(device, host, remote, end) over the leading ids from `start` held by the device, the
     host or (where `in_remote`, one flag per id from `start`, says so) the remote tier."""
-    dget, hget = dev_table.get, host_table.get
+    hget = host_table.get
     d = h = r = 0
-    plain = min(len(ids), start + MANY)
-    for i in range(start, plain):
-        kid = ids[i]
-        if dget(kid) >= 0:
-            d += 1
-        elif hget(kid) >= 0:
-            h += 1
-        elif in_remote is not None and in_remote[i - start]:
-            r += 1
-        else:
-            return d, h, r, i
-    pos, chunk = plain, MANY
+    pos, plain = start, min(len(ids), start + MANY)
+    while pos < plain:  # the device lookups of a piece at once (a miss costs a call in Python else)
+        piece = ids[pos : min(pos + PIECE, plain)]
+        for i, (kid, slot) in enumerate(zip(piece, dev_table.get_many(piece)), pos):
+            if slot >= 0:
+                d += 1
+            elif hget(kid) >= 0:
+                h += 1
+            elif in_remote is not None and in_remote[i - start]:
+                r += 1
+            else:
+                return d, h, r, i
+        pos += len(piece)
+    chunk = MANY
     while pos < len(ids):
         part = ids[pos : pos + chunk]
         chunk *= CHUNK_GROWTH
         n = len(part)
-        on_dev = np.fromiter(map(dget, part), dtype=np.int64, count=n) >= 0
+        on_dev = np.fromiter(dev_table.get_each(part), dtype=np.int64, count=n) >= 0
         on_host = np.zeros(n, dtype=bool)
         off = np.flatnonzero(~on_dev)
         if off.size:

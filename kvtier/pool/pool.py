@@ -710,8 +710,7 @@ class TieredPool(Movement, TierRoom):
         if reload_idx:
             # A key may have reached the device meanwhile (another thread loaded or committed
             # it): its copy then lands in our slot as a private, unkeyed page.
-            dget = dev.table.get
-            keyed = [dget(ids[i]) < 0 for i in reload_idx]
+            keyed = [slot < 0 for slot in dev.table.get_many([ids[i] for i in reload_idx])]
             sources = [host_src[i] for i in reload_idx]
             host_src.clear()  # the reload takes over the load's holds on its sources
             tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))
