@@ -430,34 +430,3 @@ def test_the_id_cache_is_let_go_when_the_last_pool_closes():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr[-3000:]
-
-
-# --- SlotOwners -----------------------------------------------------------------------------
-@pytest.mark.parametrize("bulk", [1, 64, 10**9])
-def test_slot_owners_match_a_dict_of_owners(monkeypatch, bulk):
-    import kvtier.index.slot_owners as slot_owners
-
-    monkeypatch.setattr(slot_owners, "BULK", bulk)
-    rng = random.Random(bulk)
-    capacity = 500
-    owners = slot_owners.SlotOwners(capacity)
-    model: dict[int, object] = {}
-    tickets = [object() for _ in range(12)]
-    for _ in range(400):
-        ticket = rng.choice(tickets)
-        slots = rng.sample(range(capacity), rng.choice([1, 5, 70, 200]))
-        if rng.random() < 0.5:
-            owners.set(slots, ticket)
-            model.update(dict.fromkeys(slots, ticket))
-        else:
-            owners.clear(slots, ticket)
-            for slot in slots:
-                if model.get(slot) is ticket:
-                    del model[slot]
-        assert len(owners) == len(model)
-        probe = rng.sample(range(capacity), rng.choice([3, 100]))
-        want = {id(model[s]) for s in probe if s in model}
-        assert {id(t) for t in owners.tickets(probe)} == want
-    for ticket in tickets:  # every ticket lets go of everything: nothing is remembered
-        owners.clear(list(range(capacity)), ticket)
-    assert len(owners) == 0 and not owners._tickets and not owners._number and not owners._owns

@@ -158,13 +158,16 @@ class Movement:
             dev.hold_all(private)
         dev.set_states(landing, S.LOADING, busy_delta=1)
         ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
-        self._dev_landing.set(landing, ticket)
+        for slot in landing:
+            self._dev_landing[slot] = ticket
 
         def finish() -> None:
             dev.set_states(landing, S.RESIDENT, busy_delta=-1)
             dev.unhold_all(private)
             host.unhold_all(host_slots)
-            self._dev_landing.clear(landing, ticket)
+            for slot in landing:
+                if self._dev_landing.get(slot) is ticket:
+                    del self._dev_landing[slot]
             self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
 
         self._submit(ticket, finish)

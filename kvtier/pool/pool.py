@@ -48,7 +48,6 @@ from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_poli
 from kvtier.index.key_table import MANY
 from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
 from kvtier.index.prefix import leading_slots, walk
-from kvtier.index.slot_owners import SlotOwners
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
@@ -220,7 +219,7 @@ class TieredPool(Movement, TierRoom):
         self._offload_work = threading.Condition(self._lock)
         self._inflight: list[tuple[Ticket, object]] = []  # engine copies: (ticket, finish)
         self._matches: collections.deque = collections.deque()  # matches that found the lock taken
-        self._dev_landing = SlotOwners(device_pages)  # device slot -> reload still landing in it
+        self._dev_landing: dict[int, Ticket] = {}  # device slot -> reload still landing in it
         self._fetching: dict[int, Ticket] = {}  # host slot -> remote fetch still landing in it
         self._evicting = bytearray(device_pages)  # device slots to free once their copy-down lands
         self._ready = None  # the latest commit's ready event (eviction copies wait on it)
@@ -540,7 +539,7 @@ class TieredPool(Movement, TierRoom):
             if ready is None:
                 ready = engine.record_ready()
             ticket = engine.reload(srcs, targets, ready=ready)
-            landing.set(targets, ticket)
+            landing.update(dict.fromkeys(targets, ticket))
             if type(src_pos) is range:
                 out[src_pos.start : src_pos.stop] = targets
             else:
@@ -549,7 +548,7 @@ class TieredPool(Movement, TierRoom):
             flags = [False, False]  # cancelled, landed
             started.append((targets, ticket, flags))
             self._submit(ticket, self._landed(srcs, targets, ticket, flags))
-        tickets = landing.tickets(pinned)
+        tickets = list({landing[s] for s in pinned if s in landing}) if landing else []
         tickets += [ticket for _, ticket, _ in started]
         return LoadHandle(tickets, self.fmt.num_layers, out)
 
@@ -562,7 +561,9 @@ class TieredPool(Movement, TierRoom):
             flags[1] = True
             dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1)
             host.unhold_all(srcs)
-            landing.clear(targets, ticket)
+            for slot in targets:
+                if landing.get(slot) is ticket:
+                    del landing[slot]
             self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
 
         return finish
@@ -581,7 +582,8 @@ class TieredPool(Movement, TierRoom):
                 continue
             for slot in targets:  # still landing: unkeyed now, freed when the copy lands
                 dev.table.unbind(slot)
-            landing.clear(targets, ticket)
+                if landing.get(slot) is ticket:
+                    del landing[slot]
 
     def _secure_sources(self, ids: list[bytes]) -> tuple[dict[int, int], dict[int, int]]:
         """Hold a readable copy of every key, busy, so nothing evicts it: device pages where they
@@ -685,7 +687,7 @@ class TieredPool(Movement, TierRoom):
         dev = self._dev
         tickets: list[Ticket] = []
         dev_idx = sorted(dev_src)
-        landing = self._dev_landing.tickets([dev_src[i] for i in dev_idx])
+        landing = list({self._dev_landing[dev_src[i]] for i in dev_idx if dev_src[i] in self._dev_landing})
         reload_idx = sorted(host_src)
         if slots is None:
             out = [0] * len(ids)
