@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry
 
 import kvtier.index.key_table as key_table
 import kvtier.index.keys as keys_mod
+import kvtier.index.prefix as prefix_mod
 import kvtier.index.slot_list as slot_list
 import kvtier.index.tier_index as tier_index
 import kvtier.pool.pool as pool_mod
 from kvtier import TieredPool, key_id, prefix_keys
-from kvtier.index.key_table import KeyTable
+from kvtier.index.key_table import DictKeyTable, KeyTable
 from kvtier.index.slot_list import SlotList
 from tests.conftest import fill_random, small_format, snapshot
 from tests.test_pool_control_plane import (
@@ -37,6 +38,7 @@ def _numpy_everywhere(monkeypatch) -> None:
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
     monkeypatch.setattr(pool_mod, "MANY", 1)
+    monkeypatch.setattr(prefix_mod, "MANY", 1)
 
 
 @pytest.fixture
@@ -112,6 +114,45 @@ def test_threads_turning_the_cache_over_never_see_a_wrong_id(monkeypatch):
         t.join(60)
     assert not errors
     assert len(keys_mod._young) < 16 and len(keys_mod._old) <= 16
+
+
+# --- prefix walks ----------------------------------------------------------------------------
+def _walk_one_by_one(dev, host, ids, start, in_remote):
+    d = h = r = 0
+    for i in range(start, len(ids)):
+        if dev.get(ids[i]) >= 0:
+            d += 1
+        elif host.get(ids[i]) >= 0:
+            h += 1
+        elif in_remote is not None and in_remote[i - start]:
+            r += 1
+        else:
+            return d, h, r, i
+    return d, h, r, len(ids)
+
+
+@pytest.mark.parametrize("many", [1, 7, 512])
+def test_prefix_walks_find_what_one_lookup_at_a_time_finds(monkeypatch, many):
+    monkeypatch.setattr(prefix_mod, "MANY", many)
+    rng = random.Random(many)
+    for trial in range(40):
+        n = rng.choice([1, 5, 40, 600, 3000])
+        ids = [os.urandom(16) for _ in range(n)]
+        dev, host = DictKeyTable(n), KeyTable(n)
+        where = [rng.choices("dhrx", weights=(4, 4, 2, 1 if trial % 3 else 0.01))[0] for _ in range(n)]
+        dev.bind_many([k for k, w in zip(ids, where) if w == "d"], [i for i, w in enumerate(where) if w == "d"])
+        host.bind_many([k for k, w in zip(ids, where) if w == "h"], [i for i, w in enumerate(where) if w == "h"])
+        start = rng.randrange(n)
+        in_remote = [w == "r" for w in where[start:]] if trial % 2 else None
+        want = _walk_one_by_one(dev, host, ids, start, in_remote)
+        assert prefix_mod.walk(dev, host, ids, start, in_remote) == want, trial
+        for table in (dev, host):
+            lead = []
+            for kid in ids:
+                if table.get(kid) < 0:
+                    break
+                lead.append(table.get(kid))
+            assert prefix_mod.leading_slots(table, ids) == lead, trial
 
 
 # --- KeyTable.get_many -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier import MatchResult, TieredPool, prefix_keys
@@ -236,11 +237,14 @@ class DecodeRunner:
             # The step's integers (tokens, positions, rows of the wave, page table) go to the
             # device in one copy from pinned memory, which never waits for the device: a copy
             # from pageable memory would wait for every kernel queued before it.
-            ints = [seq.tokens[-1] for seq in seqs] + [len(seq.tokens) - 1 for seq in seqs] + active
-            for seq in seqs:
-                ints += seq.slots
-                ints += [-1] * (max_pages - len(seq.slots))
-            ints = torch.tensor(ints, dtype=torch.int64)
+            # Built in numpy, a row of the page table at a time: a Python list of the whole
+            # table costs about five times as much at 8 x 512 pages.
+            host = np.full(3 * n + n * max_pages, -1, dtype=np.int64)
+            host[: 3 * n] = [seq.tokens[-1] for seq in seqs] + [len(seq.tokens) - 1 for seq in seqs] + active
+            rows = host[3 * n :].reshape(n, max_pages)
+            for row, seq in enumerate(seqs):
+                rows[row, : len(seq.slots)] = seq.slots
+            ints = torch.from_numpy(host)
             if self._cuda:
                 ints = ints.pin_memory()
             ints = ints.to(device, non_blocking=True)

@@ -174,10 +174,10 @@ class SlotList:
     def first(self, n: int) -> list[int]:
         """Up to n slots from the front, in order (reads n links, never the whole list)."""
         out: list[int] = []
-        nxt, head = self._next, self._head
-        slot = nxt[head]
-        while slot != head and len(out) < n:
-            out.append(slot)
+        append, nxt = out.append, self._next
+        slot = nxt[self._head]
+        for _ in range(min(n, self._len)):  # the list holds _len slots: no end test needed
+            append(slot)
             slot = nxt[slot]
         return out
 

@@ -92,9 +92,12 @@ class Movement:
 
         def finish() -> None:
             failed = set(ticket.failed_positions())
-            good = [i for i in range(len(moving)) if i not in failed]
             bad = sorted(failed)
-            dev_good, host_good = [moving[i] for i in good], [host_slots[i] for i in good]
+            if failed:
+                good = [i for i in range(len(moving)) if i not in failed]
+                dev_good, host_good = [moving[i] for i in good], [host_slots[i] for i in good]
+            else:
+                dev_good, host_good = moving, host_slots
             dev.set_states(dev_good, S.RESIDENT, busy_delta=-1)
             host.set_states(host_good, S.DIRTY if self._link is not None else S.RESIDENT, busy_delta=-1)
             if bad:

@@ -32,7 +32,6 @@ It must never touch page bytes itself, nor hold its lock while it waits.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import threading
@@ -48,6 +47,7 @@ from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
 from kvtier.index.key_table import MANY
 from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
+from kvtier.index.prefix import leading_slots, walk
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
@@ -366,7 +366,7 @@ class TieredPool(Movement, TierRoom):
         start = time.perf_counter()
         ids = key_ids(keys)
         self._check_open()
-        on_device, on_host, remote, total = self._walk(ids, 0)
+        on_device, on_host, remote, total = walk(self._dev.table, self._host.table, ids, 0)
         failed = 0
         if self.remote is not None and total < len(ids):
             rest = ids[total:]
@@ -377,7 +377,7 @@ class TieredPool(Movement, TierRoom):
                 in_remote = [False] * len(rest)
                 failed = len(rest)
             # Local tables again past the first local miss: pages may have arrived meanwhile.
-            more_device, more_host, remote, total = self._walk(ids, total, in_remote)
+            more_device, more_host, remote, total = walk(self._dev.table, self._host.table, ids, total, in_remote)
             on_device += more_device
             on_host += more_host
         seen = (ids, on_device, on_host, remote, total, failed, start)
@@ -414,69 +414,11 @@ class TieredPool(Movement, TierRoom):
             seen, ended = matches.popleft()
             self._apply_match(seen, ended)
 
-    def _walk(self, ids: list[bytes], start: int, in_remote=None) -> tuple[int, int, int, int]:
-        """(device, host, remote, end) over the leading ids from `start` held by the device, the
-        host or (where `in_remote`, one flag per id from `start`, says so) the remote tier.
-        The first MANY ids one at a time (a short walk pays for what it reads, nothing more),
-        the rest in chunks of MANY and more whose host lookups run in numpy (`get_each`)."""
-        dget, htable = self._dev.table.get, self._host.table
-        hget = htable.get
-        d = h = r = 0
-        plain = min(len(ids), start + MANY)
-        for i in range(start, plain):
-            kid = ids[i]
-            if dget(kid) >= 0:
-                d += 1
-            elif hget(kid) >= 0:
-                h += 1
-            elif in_remote is not None and in_remote[i - start]:
-                r += 1
-            else:
-                return d, h, r, i
-        pos, chunk = plain, MANY
-        while pos < len(ids):
-            part = ids[pos : pos + chunk]
-            chunk *= _CHUNK_GROWTH
-            dslots = list(map(dget, part))
-            hslots = htable.get_each([kid for kid, slot in zip(part, dslots) if slot < 0])
-            for i, slot in enumerate(dslots, pos):
-                if slot >= 0:
-                    d += 1
-                elif next(hslots) >= 0:
-                    h += 1
-                elif in_remote is not None and in_remote[i - start]:
-                    r += 1
-                else:
-                    return d, h, r, i
-            pos += len(part)
-        return d, h, r, pos
-
-    @staticmethod
-    def _prefix_slots(index, ids: list[bytes]) -> list[int]:
-        """The slots of the leading ids `index` holds: the first MANY one at a time, the rest in
-        chunks of MANY and more looked up at once (`get_many`)."""
-        out: list[int] = []
-        get = index.table.get
-        for kid in itertools.islice(ids, MANY):
-            slot = get(kid)
-            if slot < 0:
-                return out
-            out.append(slot)
-        pos, chunk = MANY, MANY
-        while pos < len(ids):
-            slots = index.table.get_many(ids[pos : pos + chunk])
-            chunk *= _CHUNK_GROWTH
-            if -1 in slots:
-                return out + slots[: slots.index(-1)]
-            out += slots
-            pos += len(slots)
-        return out
-
     def _touch_prefix(self, ids: list[bytes]) -> None:
         """Count a use of the leading device keys and the leading host keys (LRU, write policy)."""
         dev, host = self._dev, self._host
-        touched_dev = self._prefix_slots(dev, ids)
-        touched_host = self._prefix_slots(host, ids)
+        touched_dev = leading_slots(dev.table, ids)
+        touched_host = leading_slots(host.table, ids)
         dev.touch_all(touched_dev)
         host.touch_all(touched_host)
         self._copy_popular(touched_dev)
@@ -705,17 +647,14 @@ class TieredPool(Movement, TierRoom):
             missing.append(i)
         if missing:
             return waits, missing
-        dget, hget, hstate = dev.table.get, host.table.get, host.state
-        on_dev, on_host = [], []
-        for i, kid in enumerate(ids):
-            if i in host_src or i in dev_src:
-                continue
-            slot = dget(kid)
-            if slot >= 0:
-                dev_src[i] = slot
-                on_dev.append(slot)
-                continue
-            slot = hget(kid)
+        # Each tier's lookups at once (numpy over the host table from MANY ids).
+        todo = [i for i in range(len(ids)) if i not in host_src and i not in dev_src] if host_src or dev_src else range(len(ids))
+        found = dev.table.get_many(ids if type(todo) is range else [ids[i] for i in todo])
+        on_dev = [slot for slot in found if slot >= 0]
+        dev_src.update((i, slot) for i, slot in zip(todo, found) if slot >= 0)
+        off = [i for i, slot in zip(todo, found) if slot < 0] if on_dev else todo
+        on_host, hstate = [], host.state
+        for i, slot in zip(off, host.table.get_many(ids if type(off) is range else [ids[i] for i in off])):
             if slot >= 0:
                 if _READABLE[hstate[slot]]:
                     host_src[i] = slot
@@ -771,8 +710,7 @@ class TieredPool(Movement, TierRoom):
         if reload_idx:
             # A key may have reached the device meanwhile (another thread loaded or committed
             # it): its copy then lands in our slot as a private, unkeyed page.
-            dget = dev.table.get
-            keyed = [dget(ids[i]) < 0 for i in reload_idx]
+            keyed = [slot < 0 for slot in dev.table.get_many([ids[i] for i in reload_idx])]
             sources = [host_src[i] for i in reload_idx]
             host_src.clear()  # the reload takes over the load's holds on its sources
             tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))

@@ -1,0 +1,137 @@
+"""Host time of the pool's per-page bookkeeping: µs per page of commit, flush, match, load and
+load into given slots, at batches of 16, 256 and 4,096 pages (and more with --pages).
+
+The pool runs on CPU tensors with an engine that completes every copy at once without moving
+bytes (the copies' own cost is pool_latency's and pool_bulk's), so what is timed is the control
+plane a GPU run pays on its host thread:
+key ids, key tables, page states, holds, eviction order, chunked copy submission. Each round uses
+fresh keys (prefix keys at page size 1) in a pool sized for every round, so no call evicts:
+
+- commit: `commit` of freshly allocated slots (write-back: commit queues no copy);
+- flush:  `flush` of those dirty device pages (the copies down and their bookkeeping);
+- match:  `match` of the keys, all in the host tier only;
+- load:   `load(keys)` into new slots, until the handle is done;
+- load_into: `load(keys, slots)` into slots from `allocate`, until done.
+
+    python benchmarks/pool_bookkeeping.py [--pages 16,256,4096] [--rounds N] [--json out.json]
+    python benchmarks/pool_bookkeeping.py --pages 8192
+
+Run each revision's own copy of the script (it puts its own checkout first on sys.path) to
+compare revisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from kvtier import PageFormat, TieredPool, prefix_keys  # noqa: E402
+from kvtier.transfer import DoneTicket, TransferEngine  # noqa: E402
+
+FORMAT = dict(num_layers=2, num_kv_heads=1, head_dim=16, page_size=1, dtype="fp8_e4m3", scale="per_tensor")
+OPS = ("commit", "flush", "match", "load", "load_into")
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def _load(pool, keys, slots=None) -> list[int]:
+    handle = pool.load(keys, slots)
+    handle.wait()
+    return handle.slots
+
+
+class NoCopyEngine(TransferEngine):
+    """Completes every copy at once without touching bytes: what is timed is the bookkeeping."""
+
+    name = "no-copy"
+
+    def __init__(self, device_tier, host_tier) -> None:
+        self.num_layers = device_tier.fmt.num_layers
+
+    def offload(self, device_slots, host_slots, ready=None):
+        return DoneTicket(self.num_layers)
+
+    def reload(self, host_slots, device_slots, ready=None):
+        return DoneTicket(self.num_layers)
+
+    def device_copy(self, src_slots, dst_slots):
+        return DoneTicket(self.num_layers)
+
+
+def run_batch(n: int, rounds: int, seed: int) -> dict:
+    pool = TieredPool(PageFormat(**FORMAT), device="cpu", device_pages=2 * n, host_pages=n * (rounds + 2),
+                      write_policy="write_back", engine=NoCopyEngine, registry=CollectorRegistry())
+    rng = np.random.default_rng(seed)
+    samples: dict[str, list[float]] = {op: [] for op in OPS}
+    # The calls back to back (no collection in between): each round's keys are new, the
+    # tables and the CPU caches warm, as in a serving loop.
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds + 1):  # round 0 warms up
+            keys = prefix_keys(rng.integers(0, 2**31, n), 1, pool.namespace)
+            slots = pool.allocate(n)
+            t_commit, _ = _timed(lambda: pool.commit(keys, slots))
+            pool.release(slots)
+            t_flush, left = _timed(pool.flush)
+            assert left == 0
+            pool.evict(tier="device", keys=keys)
+            t_match, m = _timed(lambda: pool.match(keys))
+            assert m.host == n, m
+            t_load, loaded = _timed(lambda: _load(pool, keys))
+            pool.release(loaded)
+            pool.evict(tier="device", keys=keys)
+            targets = pool.allocate(n)
+            t_into, _ = _timed(lambda: _load(pool, keys, targets))
+            pool.release(targets)
+            pool.evict(tier="device", keys=keys)
+            if r:
+                for op, t in zip(OPS, (t_commit, t_flush, t_match, t_load, t_into)):
+                    samples[op].append(t)
+    finally:
+        gc.enable()
+        pool.close()
+    calls = {op: statistics.median(v) * 1e6 for op, v in samples.items()}
+    fastest = {op: min(v) * 1e6 for op, v in samples.items()}
+    return {"pages": n, "rounds": rounds, "us_per_call": calls, "us_per_call_min": fastest, "us_per_page": {op: us / n for op, us in calls.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", default="16,256,4096", help="comma-separated batch sizes (e.g. 16,256,4096,8192)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds per batch size (median; default 4096 / pages, at least 9, at most 101)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    sizes = [int(p) for p in args.pages.split(",")]
+    rows = [run_batch(n, args.rounds or max(9, min(101, 4096 // n)), seed=n) for n in sizes]
+    print(f"µs per page (µs per call), median of {args.rounds or '4096 / pages'} rounds; torch {torch.__version__}, CPU tensors")
+    print(f"{'pages':>7}" + "".join(f"{op:>20}" for op in OPS))
+    for row in rows:
+        print(f"{row['pages']:>7}" + "".join(
+            f"{row['us_per_page'][op]:>10.3f} ({row['us_per_call'][op]:>6.0f})" for op in OPS))
+    if args.json:
+        out = {"benchmark": "pool_bookkeeping", "date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
+               "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "format": FORMAT,
+               "rounds": args.rounds, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
