@@ -749,11 +749,16 @@ class RemoteIndex(IndexReads):
             if entry.key in latest:
                 superseded.append(latest[entry.key])
             latest[entry.key] = i
+        counter: list[int] = []  # meta.removals as the last step left it
+
         def write(db: sqlite3.Connection, step: Sequence[int]) -> list[int]:
             now = time.time()
             mine = self._end_reservations(db, step, [entries[i].slot for i in step])
             self._remove_pages(db, self._page_rows(db, ns, [entries[i].key for i in mine]), now)
-            first = self._tick(db, len(mine))
+            meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('clock', 'removals')"))
+            counter[:] = [meta["removals"]]
+            first = meta["clock"] + 1
+            self._add_meta(db, "clock", len(mine))
             db.executemany(
                 "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
@@ -771,6 +776,13 @@ class RemoteIndex(IndexReads):
             self._in_steps(list(latest.values()), write, done, step_rows=4 * STEP_ROWS)
         except sqlite3.Error as exc:  # what committed before stays published
             logger.warning("publishing %d pages in %s stopped after %d: %r", len(latest), self.path, len(done), exc)
+        else:  # this process may answer for, and read, what it just published
+            if done:
+                self.presence.learn(counter[0], time.monotonic(), ns, {
+                    entries[i].key: PageLocation(entries[i].slot.seg, entries[i].slot.slot,
+                                                 entries[i].length, entries[i].crc, entries[i].token)
+                    for i in done
+                })
         for i in done:
             published[i] = True
         for i in superseded:

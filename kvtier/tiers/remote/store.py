@@ -158,6 +158,7 @@ from kvtier.tiers.remote.paths import (
 )
 from kvtier.tiers.remote.records import SLOT_ALIGN, RecordCodec, new_tokens
 from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects
+from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,8 @@ _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 Key = Union[str, bytes]
 _COUNTERS = (
     "hits", "misses", "corrupt_reads", "raced_reads", "read_failures", "write_failures",
-    "rejected_writes", "evictions", "bytes_written", "bytes_read",
+    "rejected_writes", "evictions", "bytes_written", "bytes_read", "locations_from_memory",
+    "stale_locations",
 )
 _REQUEST_ERRORS = REQUEST_ERRORS
 
@@ -449,6 +451,7 @@ class RemoteStore:
         counters["capacity_bytes"] = self.capacity_bytes
         counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
+        counters["small_batch_reads"] = self._path.small_batch_reads
         return counters
 
     # ----------------------------------------------------------------- data path
@@ -546,6 +549,12 @@ class RemoteStore:
             return self._get(ids, pages, prefix)
 
     def _get(self, ids: list[bytes], pages: PageBuffers, prefix: bool) -> list[bool]:
+        if len(ids) <= SMALL_BATCH_PAGES and self.faults.quiet("READ"):
+            remembered = self._index.presence.locations(self._ns_fp, ids)
+            if remembered is not None:
+                found = self._read_remembered(ids, pages, remembered)
+                if found is not None:
+                    return found
         locations = self._index.lookup(self._ns_fp, ids)
         wanted = []
         for i, loc in enumerate(locations):
@@ -586,6 +595,34 @@ class RemoteStore:
             self._index.flush_touches_later()
         self._count(hits=len(hits), misses=len(ids) - len(hits), bytes_read=len(hits) * self.page_bytes)
         return found
+
+    def _read_remembered(self, ids: list[bytes], pages: PageBuffers, locations: list) -> Optional[list[bool]]:
+        """Read a small batch at the locations this process remembers (no SQLite read); None
+        when any page is not where it was remembered (replaced, removed, unreadable): the
+        caller then reads the batch's locations from the index, so a stale location costs a
+        second read, never wrong bytes. Nothing is unpublished from here."""
+        if any(loc.length != self.page_bytes for loc in locations):
+            return None
+        try:
+            located = self._medium.locate(
+                [SlotRef(loc.seg, loc.slot) for loc in locations], self.page_bytes, for_write=False
+            )
+        except _REQUEST_ERRORS:
+            return None
+        wanted = list(range(len(ids)))
+        if located.bad:
+            return None
+        failed, checks = self._path.read(ids, located, wanted, wanted, locations, pages)
+        verdicts = [ok for _, check in checks for ok in check.result()]
+        if failed or len(verdicts) != len(ids) or not all(verdicts):
+            self._index.presence.forget(self._ns_fp, ids)
+            self._count(stale_locations=1)
+            return None
+        self._count(locations_from_memory=1)
+        if self._index.touch(self._ns_fp, ids):
+            self._index.flush_touches_later()
+        self._count(hits=len(ids), bytes_read=len(ids) * self.page_bytes)
+        return [True] * len(ids)
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
         """``delete_ids`` by keys."""
