@@ -5,7 +5,9 @@ token): "published?" is answered from it, and so is "where?" for a small read, w
 needs no SQLite read either. A location from memory can only be stale within the window below
 (another process replaced or removed the page); a read from it is then a record whose token or
 checksum does not match, which the store answers by reading the whole batch's locations from
-the index again: never wrong bytes.
+the index again: never wrong bytes. (Within that window a key another process rewrote can be
+read in its previous record, still intact in a slot not yet reused: keys name their content, so
+that is the same page.)
 
 A `match` of pages only the remote tier holds asked SQLite each time; SQLite gives up Python's
 GIL for the query, and winning it back beside busy threads (the pool's copy, backup and fetch

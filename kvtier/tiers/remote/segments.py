@@ -332,7 +332,13 @@ class SegmentFiles:
     def unused_slots_empty(self, seg: int, first: int, count: int) -> bool:
         """Whether slots ``[first, first + count)`` of ``seg`` hold no record header (the index
         asks before handing out slots it believes never used). Read with a plain descriptor of
-        its own: the store's may be opened for direct I/O."""
+        its own, or with the store's buffered one where the segment is open already (a put into
+        an open segment then opens no file)."""
+        with self._lock:  # held so that the descriptor is not closed meanwhile
+            found = self._open.get(seg)
+            if found is not None and os.fstat(found[0]).st_nlink:
+                raw = os.pread(found[0], count * HEADER_BYTES, header_offset(first))
+                return raw.count(0) == len(raw)
         try:
             fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDONLY, self._file(seg))
         except FileNotFoundError:
