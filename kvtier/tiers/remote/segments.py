@@ -444,7 +444,7 @@ class SegmentFiles:
                 self._forget(seg)
                 return f"segment file {self._file(seg)}: {exc}", 0
             if reason is None and for_write:
-                slot_stride, nslots = self._segment_shape(seg)
+                slot_stride, nslots = self._segment(seg)[2:]  # as opened: no index read per put
                 if size < segment_file_bytes(slot_stride, nslots):
                     reason = f"segment file {self._file(seg)} is {size} bytes, short of its layout"
             if reason is None:
@@ -494,6 +494,14 @@ class SegmentFiles:
         the device works while the next request is checksummed and copied (RocksDB's
         ``bytes_per_sync``); ``make_durable`` then mostly waits. Advisory: errors are ignored."""
         if _sync_file_range is None:
+            return
+        if len(remote) <= 8:  # a small request: plain Python beats array setup
+            spans: dict[int, tuple[int, int]] = {}
+            for offset, length, fd in remote.tolist():
+                start, end = spans.get(fd, (offset, offset + length))
+                spans[fd] = (min(start, offset), max(end, offset + length))
+            for fd, (start, end) in spans.items():
+                _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
             return
         for fd in np.unique(remote[:, 2]).tolist():
             rows = remote[remote[:, 2] == fd]
