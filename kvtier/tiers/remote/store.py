@@ -4,11 +4,13 @@ Owns ``RemoteStore``: the data path (put, get, contains, delete by key or by key
 counters, its threads, and the order of every step that makes a page durable, visible,
 readable or gone. The pieces it drives live beside it: ``index`` (SQLite: which slot holds
 which page), ``datapath`` (moving a batch's records: requests, checksum pipeline, registered
-blocks, direct I/O routes), ``segments`` (segment files, the OBJ medium, descriptors),
-``records`` (header, CRC32C, MAC), ``nixl`` (the agent and its requests), ``paths``
-(directory safety), ``faults``.
+blocks, direct I/O routes), ``small_batches`` (reads of up to four records with system calls,
+beside NIXL), ``presence`` (published keys and their locations this process knows),
+``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header, CRC32C, MAC),
+``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
 
-It must never: move page bytes other than through NIXL; return a page whose record header,
+It must never: move page bytes other than through NIXL (or, for reads of a few records,
+``small_batches``' system calls on the same segment files); return a page whose record header,
 checksum or MAC does not match (a miss, counted, and the page leaves the index); make a page
 visible before its record is durable; remove another namespace's pages except by capacity
 eviction; hold the index lock while bytes move; let a bad key reach the worker threads.
@@ -73,7 +75,10 @@ file), ``corrupt_reads`` (the record), or ``raced_reads`` (the key was rewritten
 while it was read; nothing is dropped then). On a miss the caller's buffer content is
 unspecified. A freed slot is handed out again only after ``reuse_delay_s`` (default 2 s), far
 longer than the gap between a reader's lookup and its transfer; a slower reader reads a record
-whose token, key id or checksum no longer match, which is a miss, never wrong bytes.
+whose token, key id or checksum no longer match, which is a miss, never wrong bytes. A get of
+up to four pages whose locations this process remembers (``presence``: from its reads and
+publications) reads no index row (``locations_from_memory``); a page not where it was
+remembered sends the whole batch through the index again (``stale_locations``).
 
 Capacity: ``capacity_bytes`` bounds the payload bytes published in the whole directory. By
 default (None) it is half the file system's free space at open plus what the store already
