@@ -34,6 +34,15 @@ def open_index(tmp_path, owner="test", reuse_delay_s=0.0) -> RemoteIndex:
     )
 
 
+def filled_elsewhere(tmp_path, count: int) -> list[bytes]:
+    """Keys ``k0..`` published by another index on the same file (which then closes): an index
+    remembers what it publishes itself, so only these make its reads ask SQLite."""
+    writer = open_index(tmp_path, owner="writer")
+    keys = fill(writer, NS_A, [f"k{i}" for i in range(count)])
+    writer.close()
+    return keys
+
+
 def reserve(index, count, capacity=None, high=1.0, low=1.0):
     return index.reserve(
         count, length=PAGE, slot_stride=PAGE, slots_per_segment=1000, capacity_bytes=capacity,
@@ -206,8 +215,8 @@ def test_a_read_in_progress_does_not_hold_up_another_threads_read(tmp_path):
     handler that waits) leaves other threads' reads free to run on a reader connection of their own."""
     import threading
 
+    keys = filled_elsewhere(tmp_path, 64)  # this index must read them: it did not publish them
     index = open_index(tmp_path)
-    keys = fill(index, NS_A, [f"k{i}" for i in range(64)])
     entered, release = threading.Event(), threading.Event()
     stalled = []
 
@@ -276,8 +285,8 @@ def test_reads_beyond_max_readers_wait_for_a_free_connection(tmp_path):
     import contextlib
     import threading
 
+    keys = filled_elsewhere(tmp_path, 32)
     index = open_index(tmp_path)
-    keys = fill(index, NS_A, [f"k{i}" for i in range(32)])
     release = threading.Event()
     holding = threading.Barrier(MAX_READERS + 1)
 

@@ -17,7 +17,7 @@ from kvtier import TieredPool, prefix_keys
 from kvtier.index.keys import key_ids
 from kvtier.tiers.remote.index import RemoteIndex, make_owner
 from tests.conftest import fill_random, small_format
-from tests.test_remote_index import NS_A, NS_B, PAGE, fill, reserve, run_in_child
+from tests.test_remote_index import NS_A, NS_B, PAGE, fill, filled_elsewhere, reserve, run_in_child
 
 
 def open_index(tmp_path, owner="test", recheck_s=3600.0) -> RemoteIndex:
@@ -43,8 +43,8 @@ class Reads:
 
 
 def test_published_keys_are_answered_from_memory_after_one_read(tmp_path):
+    keys = filled_elsewhere(tmp_path, 40)
     index = open_index(tmp_path)
-    keys = fill(index, NS_A, [f"k{i}" for i in range(40)])
     reads = Reads(index)
     reads.hook()
     assert index.present(NS_A, keys[:16], PAGE) == [True] * 16

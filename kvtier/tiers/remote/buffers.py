@@ -27,6 +27,11 @@ def view(ptr: int, nbytes: int) -> ctypes.Array:
     return (ctypes.c_ubyte * nbytes).from_address(ptr)
 
 
+def block_address(block) -> int:
+    """Address of a writable buffer such as an ``mmap.mmap`` block."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(block))
+
+
 def pointer(buffer: Piece, what: str = "buffer") -> tuple[int, int]:
     """(address, bytes) of a contiguous CPU tensor or a ``(ptr, nbytes)`` tuple."""
     if isinstance(buffer, torch.Tensor):

@@ -41,11 +41,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from kvtier.tiers.remote.buffers import PageBuffers, view
+from kvtier.tiers.remote.buffers import PageBuffers, block_address, view
 from kvtier.tiers.remote.errors import TransferFailed
 from kvtier.tiers.remote.nixl import NixlEngine
 from kvtier.tiers.remote.records import HEADER_BYTES, SLOT_ALIGN, RecordCodec
 from kvtier.tiers.remote.segments import Located, build_descriptors
+from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES, SmallReads
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +149,10 @@ class Blocks:
             block = self._free.pop() if self._free else None
         if block is None:
             block = mmap.mmap(-1, self.nbytes)
-            self._regions.add(_address(block), self.nbytes)
+            self._regions.add(block_address(block), self.nbytes)
             with self._lock:
                 self._all.append(block)
-        return block, _address(block)
+        return block, block_address(block)
 
     def give(self, block: mmap.mmap) -> None:
         with self._lock:
@@ -163,10 +164,6 @@ class Blocks:
         with self._lock:
             self._free.clear()
             self._all.clear()
-
-
-def _address(block: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(block))
 
 
 class _InFlight:
@@ -209,6 +206,9 @@ class DataPath:
         self._headers = Blocks(self.host, -(-self.per_request * HEADER_BYTES // SLOT_ALIGN) * SLOT_ALIGN)
         self._staging = Blocks(self.host, self.per_request * slot_stride)
         self.window = DIRECT_REQUESTS_IN_FLIGHT if medium.direct_io else 1
+        self._small = SmallReads(codec, page_bytes, slot_stride)
+        self._small_lock = threading.Lock()
+        self.small_batch_reads = 0
 
     @property
     def direct_io(self) -> bool:
@@ -229,7 +229,19 @@ class DataPath:
         """Read the records of ``readable`` (positions in ``wanted``, which maps them to pages
         of the call) and check each against ``expected[page]`` (its index location).
 
-        Returns (pages whose request failed, [(pages, future of their verdicts)])."""
+        Returns (pages whose request failed, [(pages, future of their verdicts)]). A few
+        records on segment files are read with system calls instead (``small_batches``)."""
+        if (
+            len(readable) <= SMALL_BATCH_PAGES
+            and not self._medium.whole_records
+            and self._engine.faults.quiet("READ")
+        ):
+            failed, verdicts = self._small.read(ids, located, wanted, readable, expected, pages)
+            with self._small_lock:
+                self.small_batch_reads += 1
+            done: Future = Future()
+            done.set_result([ok for _, ok in verdicts])
+            return failed, [([page for page, _ in verdicts], done)]
         failed: list[int] = []
         checks: list[tuple[list[int], Future]] = []
         staged = self._staged(pages)

@@ -51,6 +51,11 @@ class FaultInjector:
         self.before_publish = None
         self.mid_request = None
 
+    def quiet(self, op: str) -> bool:
+        """Whether no fault is armed for ``op`` and no ``mid_request`` hook is set: then a path
+        that bypasses NIXL (small batches) may run."""
+        return self.mid_request is None and not any(entry[1] in (None, op) for entry in self._armed)
+
     def take(self, op: str) -> Optional[str]:
         """The fault mode for this transfer, if one is armed for ``op``."""
         with self._lock:

@@ -432,22 +432,30 @@ class RemoteIndex(IndexReads):
         self._add_meta(db, "clock", count)
         return first
 
-    def _count_pages(self, db: sqlite3.Connection, rows: Iterable[tuple[bytes, int]], sign: int) -> None:
-        """Add (sign=1) or remove (sign=-1) pages given as (ns, length) from the counters."""
+    def _count_pages(
+        self, db: sqlite3.Connection, rows: Iterable[tuple[bytes, int]], sign: int, clock: int = 0
+    ) -> None:
+        """Add (sign=1) or remove (sign=-1) pages given as (ns, length) from the counters, and
+        advance the logical clock by ``clock`` in the same statement."""
         pages: Counter = Counter()
         used: Counter = Counter()
         for ns, length in rows:
             pages[ns] += 1
             used[ns] += length
         if not pages:
+            if clock:
+                self._add_meta(db, "clock", clock)
             return
         db.executemany(
             "INSERT INTO namespaces VALUES (?, ?, ?) ON CONFLICT (ns) DO UPDATE SET "
             "pages = pages + excluded.pages, used_bytes = used_bytes + excluded.used_bytes",
             [(ns, sign * pages[ns], sign * used[ns]) for ns in pages],
         )
-        self._add_meta(db, "pages", sign * sum(pages.values()))
-        self._add_meta(db, "used_bytes", sign * sum(used.values()))
+        db.execute(
+            "UPDATE meta SET value = value + CASE name WHEN 'pages' THEN ? WHEN 'used_bytes' THEN ? "
+            "ELSE ? END WHERE name IN ('pages', 'used_bytes', 'clock')",
+            (sign * sum(pages.values()), sign * sum(used.values()), clock),
+        )
 
     def _free(self, db: sqlite3.Connection, slots: Sequence[tuple[int, int]], now: float) -> None:
         """Move slots to the free list; reusable after the reuse delay."""
@@ -597,10 +605,10 @@ class RemoteIndex(IndexReads):
                     self._reclaim(db, now)
                 take = want
                 if capacity_bytes is not None:
-                    reserved = db.execute(
-                        "SELECT COALESCE(SUM(length), 0) FROM reservations"
+                    used = db.execute(
+                        "SELECT (SELECT COALESCE(SUM(length), 0) FROM reservations) + "
+                        "(SELECT value FROM meta WHERE name = 'used_bytes')"
                     ).fetchone()[0]
-                    used = self._meta(db, "used_bytes") + reserved
                     high = high_watermark * capacity_bytes
                     if used + want * length > high:
                         evicting = True
@@ -749,11 +757,15 @@ class RemoteIndex(IndexReads):
             if entry.key in latest:
                 superseded.append(latest[entry.key])
             latest[entry.key] = i
+        counter: list[int] = []  # meta.removals as the last step left it
+
         def write(db: sqlite3.Connection, step: Sequence[int]) -> list[int]:
             now = time.time()
             mine = self._end_reservations(db, step, [entries[i].slot for i in step])
             self._remove_pages(db, self._page_rows(db, ns, [entries[i].key for i in mine]), now)
-            first = self._tick(db, len(mine))
+            meta = dict(db.execute("SELECT name, value FROM meta WHERE name IN ('clock', 'removals')"))
+            counter[:] = [meta["removals"]]
+            first = meta["clock"] + 1
             db.executemany(
                 "INSERT INTO pages VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
@@ -761,7 +773,7 @@ class RemoteIndex(IndexReads):
                     for n, e in enumerate(entries[i] for i in mine)
                 ],
             )
-            self._count_pages(db, ((ns, entries[i].length) for i in mine), 1)
+            self._count_pages(db, ((ns, entries[i].length) for i in mine), 1, clock=len(mine))
             return mine
 
         done: list[int] = []
@@ -771,6 +783,13 @@ class RemoteIndex(IndexReads):
             self._in_steps(list(latest.values()), write, done, step_rows=4 * STEP_ROWS)
         except sqlite3.Error as exc:  # what committed before stays published
             logger.warning("publishing %d pages in %s stopped after %d: %r", len(latest), self.path, len(done), exc)
+        else:  # this process may answer for, and read, what it just published
+            if done:
+                self.presence.learn(counter[0], time.monotonic(), ns, {
+                    entries[i].key: PageLocation(entries[i].slot.seg, entries[i].slot.slot,
+                                                 entries[i].length, entries[i].crc, entries[i].token)
+                    for i in done
+                })
         for i in done:
             published[i] = True
         for i in superseded:
@@ -783,15 +802,10 @@ class RemoteIndex(IndexReads):
         whose slot it still owned (a reclaimed reservation is not ours any more)."""
         marks = ",".join("(?, ?)" for _ in slots)
         owned = set(db.execute(
-            f"SELECT seg, slot FROM reservations WHERE owner = ? AND (seg, slot) IN (VALUES {marks})",
+            f"DELETE FROM reservations WHERE owner = ? AND (seg, slot) IN (VALUES {marks}) RETURNING seg, slot",
             (self.owner, *(v for s in slots for v in (s[0], s[1]))),
         ))
-        mine = [item for item, s in zip(items, slots) if (s[0], s[1]) in owned]
-        db.executemany(
-            "DELETE FROM reservations WHERE seg = ? AND slot = ?",
-            [(s[0], s[1]) for s in slots if (s[0], s[1]) in owned],
-        )
-        return mine
+        return [item for item, s in zip(items, slots) if (s[0], s[1]) in owned]
 
     @staticmethod
     def _page_rows(db: sqlite3.Connection, ns: bytes, keys: Sequence[bytes]) -> list[tuple]:

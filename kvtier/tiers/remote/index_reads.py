@@ -95,25 +95,35 @@ class IndexReads:
     def lookup(self, ns: bytes, keys: Sequence[bytes]) -> list[Optional[PageLocation]]:
         """Location of each key's published page in namespace ``ns``, or None; all None when
         the index gives no answer within the busy timeout (a stuck disk: misses, not a wait)."""
-        def read() -> dict[bytes, PageLocation]:
+        read_at = time.monotonic()
+
+        def read() -> tuple[dict[bytes, PageLocation], Optional[int]]:
             found: dict[bytes, PageLocation] = {}
+            removals = None
             for start in range(0, len(keys), _SQL_CHUNK):
                 chunk = list(dict.fromkeys(keys[start : start + _SQL_CHUNK]))
                 with self._reading() as reader:
+                    # One statement, one snapshot: the removal counter (key NULL) with the keys.
                     rows = reader.execute(
+                        f"SELECT NULL, value, 0, 0, 0, 0 FROM meta WHERE name = 'removals' UNION ALL "
                         f"SELECT key, seg, slot, length, crc, token FROM pages "
                         f"WHERE ns = ? AND key IN ({','.join('?' * len(chunk))})",
                         (ns, *chunk),
                     ).fetchall()
                 for key, seg, slot, length, crc, token in rows:
-                    found[key] = PageLocation(seg, slot, length, crc, token)
-            return found
+                    if key is None:
+                        removals = seg if removals is None else removals  # the first snapshot's
+                    else:
+                        found[key] = PageLocation(seg, slot, length, crc, token)
+            return found, removals
 
         try:
-            found = self._bounded_read(read)
+            found, removals = self._bounded_read(read)
         except CallTimedOut as exc:
             logger.warning("lookup of %d keys in %s gave up: %s", len(keys), self.path, exc)
             return [None] * len(keys)
+        if removals is not None and found:
+            self.presence.learn(removals, read_at, ns, found)
         if len(found) < len(keys):
             self.presence.forget(ns, [key for key in keys if key not in found])
         return [found.get(key) for key in keys]
@@ -129,24 +139,24 @@ class IndexReads:
             return known
         read_at = time.monotonic()
 
-        def read() -> tuple[set[bytes], Optional[int]]:
-            found: set[bytes] = set()
+        def read() -> tuple[dict[bytes, PageLocation], Optional[int]]:
+            found: dict[bytes, PageLocation] = {}
             removals = None
             with self._reading() as reader:
                 for start in range(0, len(keys), _SQL_CHUNK):
                     chunk = keys[start : start + _SQL_CHUNK]
                     # One statement, one snapshot: the removal counter (key NULL) with the keys.
                     rows = reader.execute(
-                        f"SELECT NULL, value FROM meta WHERE name = 'removals' UNION ALL "
-                        f"SELECT key, 0 FROM pages WHERE ns = ? AND length = ? "
+                        f"SELECT NULL, value, 0, 0, 0, 0 FROM meta WHERE name = 'removals' UNION ALL "
+                        f"SELECT key, seg, slot, length, crc, token FROM pages WHERE ns = ? AND length = ? "
                         f"AND key IN ({','.join('?' * len(chunk))})",
                         (ns, length, *chunk),
                     ).fetchall()
-                    for key, value in rows:
+                    for key, seg, slot, size, crc, token in rows:
                         if key is None:
-                            removals = value if removals is None else removals
+                            removals = seg if removals is None else removals
                         else:
-                            found.add(key)
+                            found[key] = PageLocation(seg, slot, size, crc, token)
             return found, removals
 
         try:
@@ -155,7 +165,7 @@ class IndexReads:
             logger.warning("presence of %d keys in %s: no answer, misses: %s", len(keys), self.path, exc)
             return [False] * len(keys)
         if removals is not None:
-            self.presence.learn(removals, read_at, ns, length, found)
+            self.presence.learn(removals, read_at, ns, found)
         return [key in found for key in keys]
 
     def segment(self, seg: int) -> tuple[int, int]:

@@ -1,9 +1,19 @@
 """What this process knows is in the remote index, so that asking costs no SQLite read.
 
+It keeps, per published key it has seen, the page's location (segment, slot, length, CRC32C,
+token): "published?" is answered from it, and so is "where?" for a small read, which then
+needs no SQLite read either. A location from memory can only be stale within the window below
+(another process replaced or removed the page); a read from it is then a record whose token or
+checksum does not match, which the store answers by reading the whole batch's locations from
+the index again: never wrong bytes. (Within that window a key another process rewrote can be
+read in its previous record, still intact in a slot not yet reused: keys name their content, so
+that is the same page.)
+
 A `match` of pages only the remote tier holds asked SQLite each time; SQLite gives up Python's
 GIL for the query, and winning it back beside busy threads (the pool's copy, backup and fetch
 threads, the engine's) took milliseconds (`benchmarks/pool_overhead.py --sections threads`).
-This cache answers "published?" for keys a read found published, with no I/O and no lock.
+This cache answers "published?" for keys a read found published, or this process published,
+with no I/O and no lock.
 
 Correctness rests on one counter in the index, ``meta.removals``, bumped by every transaction
 that removes pages (eviction, delete, clear, replacement, a record found unreadable), whatever
@@ -25,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 RECHECK_S = 1.0
 CAPACITY = 1 << 18  # keys (about 30 MB at most)
@@ -38,36 +48,57 @@ class PresenceCache:
         self._lock = threading.Lock()  # held only for dict updates, never across I/O
         self._epoch: int | None = None  # the removal counter the contents are valid for
         self._checked = float("-inf")  # when the counter was last read and equal to the epoch
-        self._known: dict[tuple[bytes, int], set[bytes]] = {}
+        # ns -> key -> its page's location (any object with a `length`, the index's PageLocation)
+        self._known: dict[bytes, dict[bytes, object]] = {}
         self._size = 0
         self.hits = 0  # answers given without SQLite (for tests and stats)
+        self.location_hits = 0  # locations given without SQLite (for tests and stats)
 
     def answer(self, ns: bytes, length: int, keys: Sequence[bytes]) -> list[bool] | None:
-        """[True] * len(keys) when every key is known published and the epoch was read within
-        `recheck_s`; else None (ask the index). Takes no lock: the sets are only ever added
-        to or replaced whole."""
+        """[True] * len(keys) when every key is known published with pages of `length` bytes
+        and the epoch was read within `recheck_s`; else None (ask the index). Takes no lock:
+        the dicts are only ever added to or replaced whole."""
         if time.monotonic() - self._checked >= self.recheck_s:
             return None
-        known = self._known.get((ns, length))
-        if known is None or not all(map(known.__contains__, keys)):
+        known = self._known.get(ns)
+        if known is None:
             return None
+        for key in keys:
+            loc = known.get(key)
+            if loc is None or loc.length != length:
+                return None
         self.hits += 1
         return [True] * len(keys)
 
-    def learn(self, removals: int, read_at: float, ns: bytes, length: int, found: Iterable[bytes]) -> None:
-        """A read that took the counter `removals` at `read_at`, then found `found` published."""
+    def locations(self, ns: bytes, keys: Sequence[bytes]) -> list | None:
+        """Every key's location when all are known and the epoch was read within `recheck_s`;
+        else None (ask the index)."""
+        if time.monotonic() - self._checked >= self.recheck_s:
+            return None
+        known = self._known.get(ns)
+        if known is None:
+            return None
+        found = [known.get(key) for key in keys]
+        if None in found:
+            return None
+        self.location_hits += 1
+        return found
+
+    def learn(self, removals: int, read_at: float, ns: bytes, found: Mapping[bytes, object]) -> None:
+        """A read that took the counter `removals` at `read_at`, then found `found` (key ->
+        location) published; or a write transaction that published them and left the counter
+        at `removals`."""
         with self._lock:
             if self._epoch is None or removals > self._epoch:
                 self._reset(removals)
             if removals != self._epoch:
                 return  # the cache moved past this read meanwhile: what it saw may be stale
             self._checked = max(self._checked, read_at)
-            found = list(found)
             if self._size + len(found) > self.capacity:
                 self._reset(removals)
                 if len(found) > self.capacity:
                     return  # more than the cache may hold: those are asked again
-            known = self._known.setdefault((ns, length), set())
+            known = self._known.setdefault(ns, {})
             before = len(known)
             known.update(found)
             self._size += len(known) - before
@@ -85,23 +116,27 @@ class PresenceCache:
             drop: dict[bytes, list[bytes]] = {}
             for ns, key in keys:
                 drop.setdefault(ns, []).append(key)
-            for (ns, length), known in list(self._known.items()):
-                gone = drop.get(ns)
-                if gone:
-                    # Replace the set, never mutate one an `answer` may be reading.
-                    fresh = known.difference(gone)
-                    self._size -= len(known) - len(fresh)
-                    self._known[(ns, length)] = fresh
+            for ns, gone in drop.items():
+                self._drop(ns, gone)
 
     def forget(self, ns: bytes, keys: Sequence[bytes]) -> None:
         """A read found `keys` of `ns` unpublished: never answer them from memory again (until
         a read finds them published), whatever the counter says."""
         with self._lock:
-            for (space, length), known in list(self._known.items()):
-                if space == ns and not known.isdisjoint(keys):
-                    fresh = known.difference(keys)
-                    self._size -= len(known) - len(fresh)
-                    self._known[(space, length)] = fresh
+            self._drop(ns, keys)
+
+    def _drop(self, ns: bytes, keys: Iterable[bytes]) -> None:
+        known = self._known.get(ns)
+        if not known:
+            return
+        gone = [key for key in keys if key in known]
+        if gone:
+            # Replace the dict, never mutate one an `answer` may be reading.
+            fresh = dict(known)
+            for key in gone:
+                del fresh[key]
+            self._size -= len(gone)
+            self._known[ns] = fresh
 
     def _reset(self, removals: int) -> None:
         self._epoch = removals

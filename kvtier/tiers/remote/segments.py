@@ -332,7 +332,13 @@ class SegmentFiles:
     def unused_slots_empty(self, seg: int, first: int, count: int) -> bool:
         """Whether slots ``[first, first + count)`` of ``seg`` hold no record header (the index
         asks before handing out slots it believes never used). Read with a plain descriptor of
-        its own: the store's may be opened for direct I/O."""
+        its own, or with the store's buffered one where the segment is open already (a put into
+        an open segment then opens no file)."""
+        with self._lock:  # held so that the descriptor is not closed meanwhile
+            found = self._open.get(seg)
+            if found is not None and os.fstat(found[0]).st_nlink:
+                raw = os.pread(found[0], count * HEADER_BYTES, header_offset(first))
+                return raw.count(0) == len(raw)
         try:
             fd = open_no_follow(self._dir_fd, segment_name(seg), os.O_RDONLY, self._file(seg))
         except FileNotFoundError:
@@ -438,7 +444,7 @@ class SegmentFiles:
                 self._forget(seg)
                 return f"segment file {self._file(seg)}: {exc}", 0
             if reason is None and for_write:
-                slot_stride, nslots = self._segment_shape(seg)
+                slot_stride, nslots = self._segment(seg)[2:]  # as opened: no index read per put
                 if size < segment_file_bytes(slot_stride, nslots):
                     reason = f"segment file {self._file(seg)} is {size} bytes, short of its layout"
             if reason is None:
@@ -488,6 +494,14 @@ class SegmentFiles:
         the device works while the next request is checksummed and copied (RocksDB's
         ``bytes_per_sync``); ``make_durable`` then mostly waits. Advisory: errors are ignored."""
         if _sync_file_range is None:
+            return
+        if len(remote) <= 8:  # a small request: plain Python beats array setup
+            spans: dict[int, tuple[int, int]] = {}
+            for offset, length, fd in remote.tolist():
+                start, end = spans.get(fd, (offset, offset + length))
+                spans[fd] = (min(start, offset), max(end, offset + length))
+            for fd, (start, end) in spans.items():
+                _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
             return
         for fd in np.unique(remote[:, 2]).tolist():
             rows = remote[remote[:, 2] == fd]

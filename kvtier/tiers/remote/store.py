@@ -4,11 +4,13 @@ Owns ``RemoteStore``: the data path (put, get, contains, delete by key or by key
 counters, its threads, and the order of every step that makes a page durable, visible,
 readable or gone. The pieces it drives live beside it: ``index`` (SQLite: which slot holds
 which page), ``datapath`` (moving a batch's records: requests, checksum pipeline, registered
-blocks, direct I/O routes), ``segments`` (segment files, the OBJ medium, descriptors),
-``records`` (header, CRC32C, MAC), ``nixl`` (the agent and its requests), ``paths``
-(directory safety), ``faults``.
+blocks, direct I/O routes), ``small_batches`` (reads of up to four records with system calls,
+beside NIXL), ``presence`` (published keys and their locations this process knows),
+``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header, CRC32C, MAC),
+``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
 
-It must never: move page bytes other than through NIXL; return a page whose record header,
+It must never: move page bytes other than through NIXL (or, for reads of a few records,
+``small_batches``' system calls on the same segment files); return a page whose record header,
 checksum or MAC does not match (a miss, counted, and the page leaves the index); make a page
 visible before its record is durable; remove another namespace's pages except by capacity
 eviction; hold the index lock while bytes move; let a bad key reach the worker threads.
@@ -73,7 +75,10 @@ file), ``corrupt_reads`` (the record), or ``raced_reads`` (the key was rewritten
 while it was read; nothing is dropped then). On a miss the caller's buffer content is
 unspecified. A freed slot is handed out again only after ``reuse_delay_s`` (default 2 s), far
 longer than the gap between a reader's lookup and its transfer; a slower reader reads a record
-whose token, key id or checksum no longer match, which is a miss, never wrong bytes.
+whose token, key id or checksum no longer match, which is a miss, never wrong bytes. A get of
+up to four pages whose locations this process remembers (``presence``: from its reads and
+publications) reads no index row (``locations_from_memory``); a page not where it was
+remembered sends the whole batch through the index again (``stale_locations``).
 
 Capacity: ``capacity_bytes`` bounds the payload bytes published in the whole directory. By
 default (None) it is half the file system's free space at open plus what the store already
@@ -158,6 +163,7 @@ from kvtier.tiers.remote.paths import (
 )
 from kvtier.tiers.remote.records import SLOT_ALIGN, RecordCodec, new_tokens
 from kvtier.tiers.remote.segments import SegmentFiles, SlotObjects
+from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +174,8 @@ _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 Key = Union[str, bytes]
 _COUNTERS = (
     "hits", "misses", "corrupt_reads", "raced_reads", "read_failures", "write_failures",
-    "rejected_writes", "evictions", "bytes_written", "bytes_read",
+    "rejected_writes", "evictions", "bytes_written", "bytes_read", "locations_from_memory",
+    "stale_locations",
 )
 _REQUEST_ERRORS = REQUEST_ERRORS
 
@@ -449,6 +456,7 @@ class RemoteStore:
         counters["capacity_bytes"] = self.capacity_bytes
         counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
+        counters["small_batch_reads"] = self._path.small_batch_reads
         return counters
 
     # ----------------------------------------------------------------- data path
@@ -546,6 +554,12 @@ class RemoteStore:
             return self._get(ids, pages, prefix)
 
     def _get(self, ids: list[bytes], pages: PageBuffers, prefix: bool) -> list[bool]:
+        if len(ids) <= SMALL_BATCH_PAGES and self.faults.quiet("READ"):
+            remembered = self._index.presence.locations(self._ns_fp, ids)
+            if remembered is not None:
+                found = self._read_remembered(ids, pages, remembered)
+                if found is not None:
+                    return found
         locations = self._index.lookup(self._ns_fp, ids)
         wanted = []
         for i, loc in enumerate(locations):
@@ -586,6 +600,34 @@ class RemoteStore:
             self._index.flush_touches_later()
         self._count(hits=len(hits), misses=len(ids) - len(hits), bytes_read=len(hits) * self.page_bytes)
         return found
+
+    def _read_remembered(self, ids: list[bytes], pages: PageBuffers, locations: list) -> Optional[list[bool]]:
+        """Read a small batch at the locations this process remembers (no SQLite read); None
+        when any page is not where it was remembered (replaced, removed, unreadable): the
+        caller then reads the batch's locations from the index, so a stale location costs a
+        second read, never wrong bytes. Nothing is unpublished from here."""
+        if any(loc.length != self.page_bytes for loc in locations):
+            return None
+        try:
+            located = self._medium.locate(
+                [SlotRef(loc.seg, loc.slot) for loc in locations], self.page_bytes, for_write=False
+            )
+        except _REQUEST_ERRORS:
+            return None
+        wanted = list(range(len(ids)))
+        if located.bad:
+            return None
+        failed, checks = self._path.read(ids, located, wanted, wanted, locations, pages)
+        verdicts = [ok for _, check in checks for ok in check.result()]
+        if failed or len(verdicts) != len(ids) or not all(verdicts):
+            self._index.presence.forget(self._ns_fp, ids)
+            self._count(stale_locations=1)
+            return None
+        self._count(locations_from_memory=1)
+        if self._index.touch(self._ns_fp, ids):
+            self._index.flush_touches_later()
+        self._count(hits=len(ids), bytes_read=len(ids) * self.page_bytes)
+        return [True] * len(ids)
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
         """``delete_ids`` by keys."""

@@ -1,0 +1,91 @@
+"""Small calls of the remote store: batches of up to SMALL_BATCH_PAGES records read with system
+calls on the segment files, at locations this process remembers (no SQLite read). Real
+segment files and real NIXL; bytes compared exactly, destinations poisoned first."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13")
+
+from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES  # noqa: E402
+from test_remote_direct_io import PAGE, aligned_pages, fill_random, open_store, poison  # noqa: E402,F401
+
+
+def segment_files(store) -> list[str]:
+    directory = os.path.join(store.directory, "segments")
+    return [os.path.join(directory, name) for name in sorted(os.listdir(directory))]
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("offset", [0, 64])  # aligned pages go zero-copy, others through a block
+def test_small_reads_round_trip_without_nixl_or_sqlite(open_store, direct_io, offset):
+    store = open_store(direct_io=direct_io)
+    _region, pages = aligned_pages(2 * SMALL_BATCH_PAGES, offset)
+    fill_random(pages[:SMALL_BATCH_PAGES], seed=11)
+    keys = [f"s{i}" for i in range(SMALL_BATCH_PAGES)]
+    assert store.put(keys, pages[:SMALL_BATCH_PAGES]) == [True] * SMALL_BATCH_PAGES
+    out = pages[SMALL_BATCH_PAGES:]
+    for count in (1, SMALL_BATCH_PAGES):
+        poison(out)
+        assert store.get(keys[:count], out[:count]) == [True] * count
+        assert all(torch.equal(pages[i], out[i]) for i in range(count))
+    stats = store.stats()
+    assert stats["small_batch_reads"] == 2 and stats["locations_from_memory"] == 2
+    assert stats["hits"] == 1 + SMALL_BATCH_PAGES and stats["stale_locations"] == 0
+
+
+def test_pieces_of_a_page_are_read_back_in_order(open_store):
+    store = open_store()
+    source = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
+    assert store.put(["k"], [source]) == [True]
+    dest = torch.full((PAGE + 3,), 0xA5, dtype=torch.uint8)
+    pieces = [dest[0:1000], dest[1001:PAGE // 2 + 1], dest[PAGE // 2 + 3 : PAGE + 3]]
+    lengths = [p.numel() for p in pieces]
+    assert sum(lengths) == PAGE
+    assert store.get(["k"], [pieces]) == [True]
+    assert torch.equal(torch.cat(pieces), source)
+    assert int(dest[1000]) == 0xA5 and int(dest[PAGE // 2 + 1]) == 0xA5  # gaps untouched
+    assert store.stats()["small_batch_reads"] == 1
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_corrupt_record_read_from_memory_is_a_miss_and_leaves_the_index(open_store, direct_io):
+    store = open_store(direct_io=direct_io)
+    _region, pages = aligned_pages(2)
+    fill_random(pages[:1], seed=5)
+    assert store.put(["c"], pages[:1]) == [True]
+    (path,) = segment_files(store)
+    with open(path, "r+b") as f:  # flip one payload byte of the only record
+        data = f.read()
+        at = data.index(bytes(pages[0][:64].numpy()))
+        f.seek(at + 100)
+        f.write(bytes([data[at + 100] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    poison(pages[1:])
+    assert store.get(["c"], pages[1:]) == [False]
+    stats = store.stats()
+    assert stats["stale_locations"] == 1 and stats["corrupt_reads"] == 1 and stats["hits"] == 0
+    assert store.contains(["c"]) == [False]
+
+
+def test_a_slot_reused_by_another_process_is_read_again_from_the_index(open_store, tmp_path):
+    mine = open_store(reuse_delay_s=0.0, presence_recheck_s=3600.0)
+    other = open_store(reuse_delay_s=0.0)
+    _region, pages = aligned_pages(4)
+    fill_random(pages[:3], seed=9)
+    assert mine.put(["k"], pages[:1]) == [True]  # remembered with its location
+    assert other.delete(["k"]) == [True]
+    assert other.put(["j"], pages[1:2]) == [True]  # into k's old slot
+    assert other.put(["k"], pages[2:3]) == [True]  # k again, elsewhere, other bytes
+    poison(pages[3:])
+    assert mine.get(["k"], pages[3:]) == [True]
+    assert torch.equal(pages[3], pages[2])  # the current page, never j's nor k's old bytes
+    stats = mine.stats()
+    assert stats["stale_locations"] == 1 and stats["corrupt_reads"] == 0 and stats["raced_reads"] == 0
+    assert other.get(["j"], pages[3:]) == [True] and torch.equal(pages[3], pages[1])
