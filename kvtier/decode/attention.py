@@ -65,9 +65,12 @@ LAYOUTS = ("nhd", "hnd")
 FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "mma")
 # The kernel configuration a call gets where it names none, for fp8 pages and for 16-bit pages: the
 # fastest of configuration searches on an H200 (BENCHMARKS.md, "Decode attention kernel").
+# Chosen by scripts/decode_sweep_h200.py on an H200 (2026-12-04, BENCHMARKS.md): fp8 pages with
+# three stages and the page table read a step ahead 0.69-0.83x of the HBM copy at batch 16 / 64
+# from 8k tokens against 0.67-0.79x with two stages; 16-bit pages 0.87-1.03x against 0.86-0.97x.
 DEFAULT_CONFIGS = {
-    "fp8": dict(block_n=128, num_warps=4, num_stages=2, fp8_dot="pairs", page_ahead=False),
-    "16-bit": dict(block_n=64, num_warps=4, num_stages=2, page_ahead=False),
+    "fp8": dict(block_n=128, num_warps=4, num_stages=3, fp8_dot="pairs", page_ahead=True),
+    "16-bit": dict(block_n=64, num_warps=4, num_stages=3, page_ahead=True),
 }
 BLOCK_N = {fp8: DEFAULT_CONFIGS["fp8" if fp8 else "16-bit"]["block_n"] for fp8 in (True, False)}
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
