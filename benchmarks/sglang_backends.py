@@ -32,6 +32,7 @@ Writes a table to stdout and JSON to ``--json`` (default benchmarks/results/sgla
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import importlib
@@ -80,10 +81,17 @@ _alias_nixl()
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+try:  # SGLang 0.5.23; 0.5.17 (the newest on the GPU machine's torch) has no host budget
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+except ImportError:
+    def host_memory_budget_scope(_bytes):
+        return contextlib.nullcontext()
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+try:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+except ImportError:  # SGLang 0.5.17: the same page hashes under their older name
+    from sglang.srt.mem_cache.utils import get_hash_str as get_storage_hash_str  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier.adapters.sglang.namespace import record_kv_format  # noqa: E402
