@@ -132,11 +132,14 @@ def host_pool(dtype: torch.dtype, layout: str, layers: int, heads: int, head_dim
             size=pages * PAGE, page_size=PAGE, dtype=dtype, head_num=heads, head_dim=head_dim,
             layer_num=layers, device="cpu", enable_memory_saver=False,
         )
-        info = device.get_device_pool_infos()[0].buffer_info
-        pool = get_mha_host_pool_cls(info)(
-            info, 1.0, 0, PAGE, layout, pin_memory=pin_memory, device="cpu",
-            device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
-        )
+        if hasattr(device, "get_device_pool_infos"):
+            info = device.get_device_pool_infos()[0].buffer_info
+            pool = get_mha_host_pool_cls(info)(
+                info, 1.0, 0, PAGE, layout, pin_memory=pin_memory, device="cpu",
+                device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
+            )
+        else:  # SGLang 0.5.17: the host pool takes (and keeps) the device pool itself
+            pool = get_mha_host_pool_cls(device)(device, 1.0, 0, PAGE, layout, pin_memory=pin_memory, device="cpu")
     del device
     return pool
 
@@ -187,6 +190,10 @@ def controller(backend_name: str, path: str, pool, layout: str, model: str) -> H
     ctrl.mem_pool_host = ctrl.storage_host_pool = pool
     ctrl.page_size = PAGE
     ctrl.prefetch_sync_queue = Queue()
+    # SGLang 0.5.17 also writes and reads a draft model's pages beside the target's when it has one
+    ctrl.has_draft = False
+    ctrl.get_hash_str = get_storage_hash_str  # 0.5.17 hashes pages through this attribute
+    ctrl.mem_pool_host_draft = ctrl.draft_page_get_func = ctrl.draft_page_set_func = None
     zero_copy = factory_name == "nixl" or (factory_name == "dynamic" and config.extra_config.get("interface_v1"))
     ctrl.page_get_func = ctrl._page_get_zero_copy if zero_copy else ctrl._generic_page_get
     ctrl.page_set_func = ctrl._page_set_zero_copy if zero_copy else ctrl._generic_page_set
@@ -296,6 +303,8 @@ def run_cell(name: str, ctrl, raw: Raw, pool, batch: int, tokens: list[int], src
         out[f"get_{mode}_s"], out[f"get_{mode}_cpu_s"], got = timed(lambda: ctrl._page_transfer(read))
         while not ctrl.prefetch_sync_queue.empty():
             ctrl.prefetch_sync_queue.get_nowait()
+        if got is None:  # SGLang 0.5.17 returns nothing: count the completed tokens
+            got = read.completed_tokens // PAGE
         if got != batch:
             raise RuntimeError(f"{name}: read {got} of {batch} pages ({mode})")
         if not same(src, dst):
