@@ -160,7 +160,7 @@ def cubin_arch(image: bytes) -> str | None:
     """"sm_XY" of a CUDA ELF image (cubin), or None where `image` is not one.
 
     64-bit little-endian ELF, machine EM_CUDA; the architecture is bits 8-15 of e_flags from
-    ELF ABI version 8 (CUDA 12.8 and later), bits 0-7 before."""
+    ELF ABI version 8 on (what NVRTC 13 writes), bits 0-7 before."""
     if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
         return None
     if int.from_bytes(image[18:20], "little") != EM_CUDA:
