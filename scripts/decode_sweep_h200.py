@@ -52,7 +52,7 @@ def _config(block_n, warps, stages, page_ahead=False, fp8_dot=None):
 # registers a thread, so two programs an SM (programs_per_sm sets the split plan's target).
 CANDIDATES = {
     "fp8": {
-        "pairs 128/4w/2s (default)": _config(128, 4, 2, False, "pairs"),
+        "pairs 128/4w/2s": _config(128, 4, 2, False, "pairs"),
         "pairs 128/4w/2s ahead": _config(128, 4, 2, True, "pairs"),
         "pairs 128/4w/3s ahead": _config(128, 4, 3, True, "pairs"),
         "pairs 64/4w/3s ahead": _config(64, 4, 3, True, "pairs"),
@@ -66,14 +66,46 @@ CANDIDATES = {
         "mma 256/4w/2s ahead": _config(256, 4, 2, True, "mma"),
         "mma 128/8w/3s ahead": _config(128, 8, 3, True, "mma"),
         "mma 128/4w/2s ahead, 2 per SM": dict(_config(128, 4, 2, True, "mma"), programs_per_sm=2),
+        # The split plan against the default kernel (2026-12-05): 2 per SM takes fewer splits (64 x 1k:
+        # one, no merge), 6 and 12 more (two and four waves at 16 x 8k); 8 warps hold ~108 registers
+        # a thread (two programs an SM).
+        "pairs 128/4w/3s ahead, 2 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=2),
+        "pairs 128/4w/3s ahead, 6 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=6),
+        "pairs 128/4w/3s ahead, 12 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=12),
+        "pairs 128/8w/3s ahead, 2 per SM": dict(_config(128, 8, 3, True, "pairs"), programs_per_sm=2),
+        "pairs 64/4w/3s ahead, 2 per SM": dict(_config(64, 4, 3, True, "pairs"), programs_per_sm=2),
     },
     "bf16": {
-        "bf16 64/4w/2s (default)": _config(64, 4, 2),
+        "bf16 64/4w/2s": _config(64, 4, 2),
         "bf16 64/4w/2s ahead": _config(64, 4, 2, True),
         "bf16 64/4w/3s ahead": _config(64, 4, 3, True),
         "bf16 128/8w/2s ahead": _config(128, 8, 2, True),
     },
 }
+
+
+def default_name(dtype: str) -> str | None:
+    """The candidate that is today's DEFAULT_CONFIGS entry for `dtype` (its label gets "(default)")."""
+    wanted = attention.DEFAULT_CONFIGS["fp8" if dtype == "fp8" else "16-bit"]
+    for name, config in CANDIDATES[dtype].items():
+        if "programs_per_sm" not in config and all(config.get(k, v) == v for k, v in wanted.items()) and \
+                all(wanted.get(k, config[k]) == config[k] for k in config):
+            return name
+    return None
+
+
+def select(only: str | None) -> None:
+    """Keep the defaults and the candidates whose names contain one of the comma-separated `only` parts."""
+    if not only:
+        return
+    parts = [part.strip() for part in only.split(",") if part.strip()]
+    for dtype, candidates in CANDIDATES.items():
+        keep = default_name(dtype)
+        for name in list(candidates):
+            if name != keep and not any(part in name for part in parts):
+                del candidates[name]
+
+
 SHAPES = [(b, c) for b in (16, 64) for c in (1024, 8192, 32768)]
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
@@ -157,12 +189,46 @@ def run(args: argparse.Namespace, report: dict, out_file: Path) -> None:
             out_file.write_text(json.dumps(report, indent=1, default=str))
 
 
+def merge_only(report: dict) -> None:
+    """The merge kernel alone, as the default fp8 plan launches it at each shape: what fusing it
+    into the split kernel (or a plan of one split) could save at most."""
+    import triton
+
+    rows = report.setdefault("merge_only", [])
+    config = attention.DEFAULT_CONFIGS["fp8"]
+    for batch, context in SHAPES:
+        row = dict(batch=batch, context=context)
+        try:
+            heads, q_heads, head_dim = bench.KV_HEADS, bench.Q_HEADS, bench.HEAD_DIM
+            splits, per_split = attention.split_plan(batch, heads, context, config["block_n"], None,
+                                                     attention.wave_slots(torch.device("cuda")))
+            row["splits"] = splits
+            if splits > 1:
+                mid_o = torch.randn((batch, q_heads, splits, head_dim), device="cuda")
+                mid_lse = torch.randn((batch, q_heads, splits), device="cuda")
+                lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                out = torch.empty((batch, q_heads, head_dim), dtype=torch.bfloat16, device="cuda")
+
+                def merge():
+                    attention._merge_splits[(batch, q_heads)](
+                        mid_o, mid_lse, lens, out, per_split,
+                        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+                        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                        num_warps=4)
+
+                row["us"] = bench.time_replay(merge) * 1e6
+        except Exception as error:  # noqa: BLE001
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+
+
 def print_tables(report: dict) -> None:
     rows = report.get("rows", [])
     copy = report.get("copy", {}).get("hbm_gbps", 0)
     print(f"\n== decode attention, graph replay: x of the D2D copy's HBM traffic ({copy:.0f} GB/s); us in brackets")
-    print(f"{'candidate':<30}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
-    bf16 = {(r["batch"], r["context"]): r["us"] for r in rows if r.get("variant") == "bf16 64/4w/2s (default)" and "us" in r}
+    print(f"{'candidate':<42}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
+    bf16_default = default_name("bf16")
+    bf16 = {(r["batch"], r["context"]): r["us"] for r in rows if r.get("variant") == bf16_default and "us" in r}
     for dtype, candidates in CANDIDATES.items():
         for name in candidates:
             cells = []
@@ -170,12 +236,19 @@ def print_tables(report: dict) -> None:
                 row = next((r for r in rows if (r["variant"], r["batch"], r["context"]) == (name, b, c)), None)
                 cells.append(f"{'-':>16}" if row is None else f"{'FAIL':>16}" if "error" in row else
                              f"{row['of_copy']:>6.2f}x ({row['us']:6.1f})")
-            print(f"{name:<30}" + "".join(cells))
-    print("fp8 step time / bf16 default step time (goal <= 0.6 from 8k tokens):")
+            label = name + (" (default)" if name == default_name(dtype) else "")
+            print(f"{label:<42}" + "".join(cells))
+    print(f"fp8 step time / bf16 default ({bf16_default}) step time (goal <= 0.6 from 8k tokens):")
     for name in CANDIDATES["fp8"]:
         ratios = [next((f"{r['us'] / bf16[(b, c)]:.2f}" for r in rows if (r["variant"], r["batch"], r["context"]) ==
                         (name, b, c) and "us" in r and (b, c) in bf16), "-") for b, c in SHAPES]
-        print(f"{name:<30}" + "".join(f"{x:>16}" for x in ratios))
+        print(f"{name:<42}" + "".join(f"{x:>16}" for x in ratios))
+    merges = report.get("merge_only", [])
+    if merges:
+        print("the merge kernel alone at the default fp8 plan (us; graph replay, L2 flushed):")
+        for row in merges:
+            print(f"  batch {row['batch']} x {row['context'] // 1024}k: {row.get('splits')} splits, "
+                  + (f"{row['us']:.1f} us" if "us" in row else row.get("error", "single split: no merge")))
     for name, check in report.get("numerics", {}).items():
         if "error" in check or check["worst_over_bound"] > 1:
             print(f"NUMERICS FAILED {name}: {check}")
@@ -207,7 +280,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=230.0, help="seconds after which no new shape starts")
     parser.add_argument("--no-first-pool", action="store_true", help="skip the first-pool timing at the end")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated parts of candidate names to time besides the defaults, e.g. 'per SM'")
     args = parser.parse_args()
+    select(args.only)
     out = Path(os.environ.get("OUT") or "/tmp")
     out.mkdir(parents=True, exist_ok=True)
     out_file = out / "decode_sweep.json"
@@ -226,6 +302,10 @@ def main() -> int:
     except Exception as error:  # noqa: BLE001 - what was measured stays in the JSON
         report.setdefault("errors", []).append(repr(error))
         traceback.print_exc()
+    try:
+        merge_only(report)
+    except Exception as error:  # noqa: BLE001
+        report.setdefault("errors", []).append(f"merge_only: {error!r}")
     print_tables(report)
     if not args.no_first_pool and time.perf_counter() - began < args.budget + 30:
         first_pool(report)
