@@ -74,12 +74,18 @@ CANDIDATES = {
         "pairs 128/4w/3s ahead, 12 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=12),
         "pairs 128/8w/3s ahead, 2 per SM": dict(_config(128, 8, 3, True, "pairs"), programs_per_sm=2),
         "pairs 64/4w/3s ahead, 2 per SM": dict(_config(64, 4, 3, True, "pairs"), programs_per_sm=2),
+        # The merge fused into the split kernel (merge="fused": no second launch), alone and with
+        # plans of more splits, whose merge it makes cheaper.
+        "pairs 128/4w/3s ahead, fused merge": dict(_config(128, 4, 3, True, "pairs"), merge="fused"),
+        "pairs 128/4w/3s ahead, fused merge, 6 per SM": dict(_config(128, 4, 3, True, "pairs"), merge="fused",
+                                                             programs_per_sm=6),
     },
     "bf16": {
         "bf16 64/4w/2s": _config(64, 4, 2),
         "bf16 64/4w/2s ahead": _config(64, 4, 2, True),
         "bf16 64/4w/3s ahead": _config(64, 4, 3, True),
         "bf16 128/8w/2s ahead": _config(128, 8, 2, True),
+        "bf16 64/4w/3s ahead, fused merge": dict(_config(64, 4, 3, True), merge="fused"),
     },
 }
 

@@ -63,6 +63,9 @@ FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
 FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "mma")
+# How split partial outputs are merged: a second kernel (_merge_splits), or by the last program of
+# each (sequence, kv head) inside the split kernel (_merge_if_last; not under fp8_dot="mma").
+MERGES = ("kernel", "fused")
 # The kernel configuration a call gets where it names none, for fp8 pages and for 16-bit pages: the
 # fastest of configuration searches on an H200 (BENCHMARKS.md, "Decode attention kernel").
 # Chosen by scripts/decode_sweep_h200.py on an H200 (2026-12-04, BENCHMARKS.md): fp8 pages with
@@ -153,8 +156,42 @@ def _token_scales(S, page, row, kvh, stride_p, stride_t, stride_h, live):
 
 
 @triton.jit
+def _merge_if_last(
+    MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """The merge fused into the split kernel (merge="fused"): after storing its partial output, a
+    program counts itself done on CNT[b, kvh] (zero before the launch), and the one that counts
+    last merges every split of its query heads, as _merge_splits would, so no second kernel runs.
+
+    The counter's add is acq_rel at GPU scope, between barriers: every thread's stores of this
+    program happen before it, and the last program's loads after it; the partial outputs are
+    read at L2 (.cg), never from a stale L1 line."""
+    tl.debug_barrier()
+    done = tl.atomic_add(CNT + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+    splits = tl.cdiv(tl.load(LENS + b), tokens_per_split)
+    if done == splits - 1:
+        tl.debug_barrier()
+        offs_d = tl.arange(0, HEAD_DIM)
+        lse_ptr = MID_LSE + b * stride_lb + heads * stride_lh
+        top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for i in range(0, splits):
+            top = tl.maximum(top, tl.load(lse_ptr + i, mask=mask_h, other=0.0, cache_modifier=".cg"))
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        for i in range(0, splits):
+            w = tl.exp2(tl.load(lse_ptr + i, mask=mask_h, other=0.0, cache_modifier=".cg") - top)
+            acc += w[:, None] * tl.load(o_ptr + i * stride_os, mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+            total += w
+        out_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
+        tl.store(out_ptr, (acc / total[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.jit
 def _decode_split(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -177,6 +214,7 @@ def _decode_split(
     DOT_F32: tl.constexpr,
     SINGLE: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
 
@@ -259,6 +297,10 @@ def _decode_split(
             o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
             tl.store(o_ptr, acc / s[:, None], mask=mask_h[:, None])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+            if FUSED:
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                               BLOCK_H, HEAD_DIM)
 
 
 @triton.jit
@@ -287,7 +329,7 @@ def _fp8_pairs_to_f16(x, FP8: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _decode_split_pairs(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -310,6 +352,7 @@ def _decode_split_pairs(
     SPLIT_VMAX: tl.constexpr = False,
     ROW_SUMS: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
 
@@ -413,6 +456,10 @@ def _decode_split_pairs(
             tl.store(o_ptr, acc_even / divisor[:, None], mask=mask_h[:, None])
             tl.store(o_ptr + 1, acc_odd / divisor[:, None], mask=mask_h[:, None])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+            if FUSED:
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                               BLOCK_H, HEAD_DIM)
 
 
 @triton.jit
@@ -465,7 +512,7 @@ def _dot_terms(a, b_hi, b_mid, b_lo, acc, TERMS: tl.constexpr, DOT_F32: tl.const
 
 @triton.jit
 def _decode_split_mma(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -487,6 +534,7 @@ def _decode_split_mma(
     DOT_F32: tl.constexpr,
     SINGLE: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages with both dots on fp8 tensor cores, transposed: the pages' tile
     is the dots' first operand (BLOCK_N tokens or HEAD_DIM rows, enough for a warpgroup's MMA)
@@ -741,6 +789,7 @@ def paged_decode_attention(
     num_stages: int | None = None,
     fp8_dot: str | None = None,
     page_ahead: bool | None = None,
+    merge: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -760,7 +809,10 @@ def paged_decode_attention(
     (see _decode_split's F16), "mma" (both dots on fp8 tensor cores with the pages as they are,
     the query and the probabilities as sums of e4m3 terms: bf16's precision; see _decode_split_mma).
     block_n: KV tokens a program reads per step. page_ahead: load the page table's entries for
-    the next step one step early (see _next_block). block_n, num_warps, num_stages, fp8_dot and
+    the next step one step early (see _next_block). merge: how splits are merged, "kernel" (a
+    second launch) or "fused" (the last split program of each sequence and kv head merges, see
+    _merge_if_last; costs a zeroed int32 counter per (sequence, kv head); fp8_dot="mma" always
+    takes "kernel"). block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
@@ -773,6 +825,9 @@ def paged_decode_attention(
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
     fp8_dot = defaults.get("fp8_dot", "pairs") if fp8_dot is None else fp8_dot
     page_ahead = defaults["page_ahead"] if page_ahead is None else bool(page_ahead)
+    merge = defaults.get("merge", "kernel") if merge is None else merge
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if block_n < MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     if fp8_dot not in FP8_DOTS:
@@ -810,6 +865,8 @@ def paged_decode_attention(
         k_arg, v_arg = k_pages.view(torch.uint8), v_pages.view(torch.uint8)
     else:
         k_arg, v_arg = k_pages, v_pages
+    fused = not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None)
+    cnt = torch.zeros((batch, heads), dtype=torch.int32, device=q.device) if fused else mid_lse
     if words is not None:
         kernel = _decode_split_pairs
         flags = dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
@@ -820,7 +877,7 @@ def paged_decode_attention(
         kernel = _decode_split
         flags = dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
     kernel[(batch, heads, splits)](
-        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out,
+        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out, cnt,
         sm_scale * LOG2E,
         per_split,
         q.stride(0), q.stride(1),
@@ -839,11 +896,12 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SINGLE=single,
         PAGE_AHEAD=page_ahead,
+        FUSED=fused,
         **flags,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if single:
+    if single or fused:
         return out
     _merge_splits[(batch, q_heads)](
         mid_o, mid_lse, seq_lens, out,
