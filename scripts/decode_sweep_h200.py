@@ -79,6 +79,11 @@ CANDIDATES = {
         "pairs 128/4w/3s ahead, fused merge": dict(_config(128, 4, 3, True, "pairs"), merge="fused"),
         "pairs 128/4w/3s ahead, fused merge, 6 per SM": dict(_config(128, 4, 3, True, "pairs"), merge="fused",
                                                              programs_per_sm=6),
+        # Two warps: fewer warps to reduce across, more programs an SM (offline sm_90: 180 / 181 / 255
+        # registers, 40 / 57 / 42 KB shared: five, four, four an SM).
+        "pairs 64/2w/3s ahead, 5 per SM": dict(_config(64, 2, 3, True, "pairs"), programs_per_sm=5),
+        "pairs 64/2w/4s ahead, 4 per SM": dict(_config(64, 2, 4, True, "pairs"), programs_per_sm=4),
+        "pairs 128/2w/2s ahead, 4 per SM": dict(_config(128, 2, 2, True, "pairs"), programs_per_sm=4),
     },
     "bf16": {
         "bf16 64/4w/2s": _config(64, 4, 2),
