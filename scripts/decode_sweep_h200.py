@@ -233,6 +233,103 @@ def merge_only(report: dict) -> None:
         rows.append(row)
 
 
+FLUSHES = ("zero", "zero+read", "read")
+
+
+def time_flushed(fn, flush: str, buffer: torch.Tensor, reps: int = 40) -> float:
+    """Median seconds of `fn` replayed from a CUDA graph after an L2 flush of kind `flush`:
+    "zero" writes 256 MB (triton.testing.do_bench's flush, used by every table above: it leaves
+    L2 full of dirty lines, which the timed kernel's reads then write back to HBM), "zero+read"
+    writes it then reads it (the write-back happens before the timed call, L2 is left clean),
+    "read" only reads it (clean L2 without the zeroing)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def clear() -> None:
+        if "zero" in flush:
+            buffer.zero_()
+        if "read" in flush:
+            buffer.max()
+
+    for _ in range(5):
+        clear()
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        clear()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    del graph
+    times = sorted(start.elapsed_time(end) for start, end in zip(starts, ends))
+    return times[len(times) // 2] / 1e3
+
+
+def flush_panel(report: dict, left) -> None:
+    """The defaults (and the fused merge) at every shape under each L2 flush of time_flushed: how
+    much of each step the flush's dirty lines cost (a decode step follows kernels that write
+    little, so its L2 holds few dirty lines)."""
+    configs = {"fp8": {"fp8 default": {}, "fp8 default, fused merge": dict(merge="fused")},
+               "bf16": {"bf16 default": {}}}
+    rows = report.setdefault("flush_rows", [])
+    copy = report.get("copy", {}).get("hbm_gbps") or bench.copy_rate(True, "cuda")["hbm_gbps"]
+    buffer = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(26)
+    for batch, context in SHAPES:
+        for dtype, variants in configs.items():
+            if left() < 0:
+                report["flush_stopped"] = f"budget spent before {dtype} batch {batch} x {context}"
+                return
+            inputs = bench.make_inputs(batch, context, dtype, "cuda", gen)
+            nbytes = bench.bytes_read(inputs, context)
+            for name, extra in variants.items():
+                for flush in FLUSHES:
+                    row = dict(dtype=dtype, variant=name, flush=flush, batch=batch, context=context)
+                    try:
+                        seconds = time_flushed(lambda: paged_decode_attention(**inputs, **extra), flush, buffer)
+                        row.update(us=seconds * 1e6, of_copy=nbytes / seconds / 1e9 / copy)
+                    except Exception as error:  # noqa: BLE001
+                        row["error"] = repr(error)[:300]
+                    rows.append(row)
+            del inputs
+            torch.cuda.empty_cache()
+
+
+def print_flush_table(report: dict) -> None:
+    rows = report.get("flush_rows", [])
+    if not rows:
+        return
+    print("\n== the defaults under each L2 flush: x of the D2D copy's HBM traffic (us); 'zero' is the tables' flush")
+    print(f"{'variant / flush':<42}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
+    for key in dict.fromkeys((r["variant"], r["flush"]) for r in rows):
+        cells = []
+        for b, c in SHAPES:
+            row = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (*key, b, c)), None)
+            cells.append(f"{'-':>16}" if row is None else f"{'FAIL':>16}" if "error" in row else
+                         f"{row['of_copy']:>6.2f}x ({row['us']:6.1f})")
+        print(f"{key[0] + ' / ' + key[1]:<42}" + "".join(cells))
+    print("fp8 step / bf16 step, same flush (goal <= 0.6 from 8k tokens):")
+    for name in dict.fromkeys(r["variant"] for r in rows if r["dtype"] == "fp8"):
+        for flush in FLUSHES:
+            cells = []
+            for b, c in SHAPES:
+                fp8 = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (name, flush, b, c)
+                            and "us" in r), None)
+                bf16 = next((r for r in rows if (r["dtype"], r["flush"], r["batch"], r["context"]) == ("bf16", flush, b, c)
+                             and "us" in r), None)
+                cells.append(f"{fp8['us'] / bf16['us']:>16.2f}" if fp8 and bf16 else f"{'-':>16}")
+            print(f"{name + ' / ' + flush:<42}" + "".join(cells))
+
+
 def print_tables(report: dict) -> None:
     rows = report.get("rows", [])
     copy = report.get("copy", {}).get("hbm_gbps", 0)
@@ -291,6 +388,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=230.0, help="seconds after which no new shape starts")
     parser.add_argument("--no-first-pool", action="store_true", help="skip the first-pool timing at the end")
+    parser.add_argument("--no-flush-panel", action="store_true", help="skip the defaults under each L2 flush")
+    parser.add_argument("--flush-only", action="store_true", help="time only the defaults under each L2 flush")
     parser.add_argument("--only", default=None,
                         help="comma-separated parts of candidate names to time besides the defaults, e.g. 'per SM'")
     args = parser.parse_args()
@@ -308,16 +407,25 @@ def main() -> int:
         report["meta"]["triton"] = __import__("triton").__version__
     except Exception as error:  # noqa: BLE001
         report["meta"] = {"error": repr(error)}
-    try:
-        run(args, report, out_file)
-    except Exception as error:  # noqa: BLE001 - what was measured stays in the JSON
-        report.setdefault("errors", []).append(repr(error))
-        traceback.print_exc()
-    try:
-        merge_only(report)
-    except Exception as error:  # noqa: BLE001
-        report.setdefault("errors", []).append(f"merge_only: {error!r}")
-    print_tables(report)
+    if not args.flush_only:
+        try:
+            run(args, report, out_file)
+        except Exception as error:  # noqa: BLE001 - what was measured stays in the JSON
+            report.setdefault("errors", []).append(repr(error))
+            traceback.print_exc()
+        try:
+            merge_only(report)
+        except Exception as error:  # noqa: BLE001
+            report.setdefault("errors", []).append(f"merge_only: {error!r}")
+        print_tables(report)
+    if not args.no_flush_panel:
+        try:
+            flush_panel(report, lambda: args.budget + 150 - (time.perf_counter() - began))
+        except Exception as error:  # noqa: BLE001
+            report.setdefault("errors", []).append(f"flush_panel: {error!r}")
+            traceback.print_exc()
+        print_flush_table(report)
+        out_file.write_text(json.dumps(report, indent=1, default=str))
     if not args.no_first_pool and time.perf_counter() - began < args.budget + 30:
         first_pool(report)
     report["seconds"] = time.perf_counter() - began
