@@ -275,9 +275,10 @@ def time_flushed(fn, flush: str, buffer: torch.Tensor, reps: int = 40) -> float:
 
 
 def flush_panel(report: dict, left) -> None:
-    """The defaults (and the fused merge) at every shape under each L2 flush of time_flushed: how
-    much of each step the flush's dirty lines cost (a decode step follows kernels that write
-    little, so its L2 holds few dirty lines)."""
+    """The defaults (and the fused merge, and pages in "hnd" layout) at every shape under each L2
+    flush of time_flushed: how much of each step the flush's dirty lines cost (a decode step
+    follows kernels that write little, so its L2 holds few dirty lines), and whether longer
+    contiguous pieces per program read faster."""
     configs = {"fp8": {"fp8 default": {}, "fp8 default, fused merge": dict(merge="fused")},
                "bf16": {"bf16 default": {}}}
     rows = report.setdefault("flush_rows", [])
@@ -291,16 +292,35 @@ def flush_panel(report: dict, left) -> None:
                 return
             inputs = bench.make_inputs(batch, context, dtype, "cuda", gen)
             nbytes = bench.bytes_read(inputs, context)
+            # The same pages head-major ("hnd": a kv head's tokens of a page contiguous, 2 KB of fp8
+            # at head_dim 128, where "nhd" gives each program 128-byte pieces 1 KB apart).
+            variants = dict(variants)
+            variants[f"{dtype} default, hnd pages"] = dict(layout="hnd", _hnd=True)
+            hnd = None
             for name, extra in variants.items():
+                call = inputs
+                if extra.get("_hnd"):
+                    try:
+                        if hnd is None:
+                            hnd = dict(inputs, layout="hnd")
+                            for key in ("k_pages", "v_pages", "k_scales", "v_scales"):
+                                if key in inputs:
+                                    hnd[key] = inputs[key].transpose(1, 2).contiguous()
+                        call = hnd
+                    except Exception as error:  # noqa: BLE001 - too large for the device beside the nhd pages
+                        rows.append(dict(dtype=dtype, variant=name, flush="-", batch=batch, context=context,
+                                         error=repr(error)[:300]))
+                        continue
+                extra = {key: value for key, value in extra.items() if key not in ("_hnd", "layout")}
                 for flush in FLUSHES:
                     row = dict(dtype=dtype, variant=name, flush=flush, batch=batch, context=context)
                     try:
-                        seconds = time_flushed(lambda: paged_decode_attention(**inputs, **extra), flush, buffer)
+                        seconds = time_flushed(lambda: paged_decode_attention(**call, **extra), flush, buffer)
                         row.update(us=seconds * 1e6, of_copy=nbytes / seconds / 1e9 / copy)
                     except Exception as error:  # noqa: BLE001
                         row["error"] = repr(error)[:300]
                     rows.append(row)
-            del inputs
+            del inputs, hnd
             torch.cuda.empty_cache()
 
 
@@ -324,7 +344,8 @@ def print_flush_table(report: dict) -> None:
             for b, c in SHAPES:
                 fp8 = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (name, flush, b, c)
                             and "us" in r), None)
-                bf16 = next((r for r in rows if (r["dtype"], r["flush"], r["batch"], r["context"]) == ("bf16", flush, b, c)
+                reference = "bf16 default" + (", hnd pages" if "hnd" in name else "")
+                bf16 = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (reference, flush, b, c)
                              and "us" in r), None)
                 cells.append(f"{fp8['us'] / bf16['us']:>16.2f}" if fp8 and bf16 else f"{'-':>16}")
             print(f"{name + ' / ' + flush:<42}" + "".join(cells))
