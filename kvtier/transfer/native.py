@@ -63,6 +63,7 @@ _cache: list[kernel_cache.KernelCache] = []
 # Where each loaded module's cubin came from: "prebuilt", "cache" or "nvrtc", keyed (device index, module).
 loaded_from: dict[tuple[int, str], str] = {}
 _warned: set[str] = set()
+_prebuilt_read: dict[str, bytes] = {}  # decoded prebuilt images by file name, until loaded
 
 
 def kernels_available(device_index: int = 0) -> bool:
@@ -179,7 +180,10 @@ def read_prebuilt(module: str, arch: str, directory=None) -> bytes | None:
     (turned off, not shipped for this architecture or this source, or a torn or corrupt file)."""
     if not prebuilt_enabled() or module not in MODULES:
         return None
-    path = (PREBUILT_DIR if directory is None else directory) / prebuilt_name(module, arch)
+    name = prebuilt_name(module, arch)
+    if directory is None and name in _prebuilt_read:
+        return _prebuilt_read[name]
+    path = (PREBUILT_DIR if directory is None else directory) / name
     try:
         data = path.read_bytes()
     except OSError:
@@ -187,6 +191,9 @@ def read_prebuilt(module: str, arch: str, directory=None) -> bytes | None:
     cubin = decode_prebuilt(data, arch)
     if cubin is None:
         _warn_once(f"corrupt {path}", f"kvtier's prebuilt kernel {path} is damaged; compiling {module}.cu instead")
+    elif directory is None:
+        # kernels_available() reads them first; the load that follows takes the image from here.
+        _prebuilt_read[name] = cubin
     return cubin
 
 
@@ -322,6 +329,7 @@ def _load(device_index: int, module: str):
             error, loaded = driver.cuModuleLoadData(buffer.ctypes.data)
             if error == driver.CUresult.CUDA_SUCCESS:
                 loaded_from[(device_index, module)] = "prebuilt"
+                _prebuilt_read.pop(prebuilt_name(module, _arch(capability)), None)
                 return loaded
             _warn_once(f"load {module}", f"kvtier's prebuilt {module} cubin did not load ({error.name}); compiling it instead")
         kernels = cache()
