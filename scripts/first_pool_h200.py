@@ -86,7 +86,7 @@ gen = torch.Generator().manual_seed(25)
 formats = (("fp8->bf16", PageFormat(32, 8, 128, 16, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")),
            ("bf16", PageFormat(32, 8, 128, 16)))
 out["first_pools_s"] = 0.0  # constructors + commit/flush/evict/load, without filling or checking pages
-for label, fmt in formats:
+def first_pool(label, fmt):
     a = time.perf_counter()
     pool = TieredPool(fmt, device="cuda", device_pages=16, host_pages=16)
     b = time.perf_counter()
@@ -119,12 +119,17 @@ for label, fmt in formats:
                             "path": str(getattr(pool.engine, "last_path", type(pool.engine).__name__))}
     out["first_pools_s"] += (b - a) + (d - c)
     pool.close()
+for label, fmt in formats:
+    try:
+        first_pool(label, fmt)
+    except Exception as error:
+        out["checks"][f"pool {label}"] = False
+        out[f"pool {label}"] = {"error": repr(error)[-800:]}
 
 # The kernel path on its own (the pool's engine may have taken the copy engines): a reload
 # through each module, byte-equal to the CPU twin.
 kernel_began = time.perf_counter()
-for label, fmt in (("bf16", PageFormat(2, 2, 64, 16)),
-                   ("fp8->bf16", PageFormat(2, 2, 64, 16, dtype="fp8_e4m3", scale="per_page_head", device_dtype="bf16"))):
+def kernel_reload(label, fmt):
     host, cpu_host = HostTier(fmt, 8, pin=True), HostTier(fmt, 8, pin=False)
     cpu_host.buffer.copy_(torch.randint(1, 120, cpu_host.buffer.shape, dtype=torch.uint8, generator=gen))
     if fmt.has_scales:
@@ -139,6 +144,13 @@ for label, fmt in (("bf16", PageFormat(2, 2, 64, 16)),
     CudaEngine(dev, host, path="kernel").reload([1, 2], [3, 4]).synchronize()
     TorchEngine(cpu_dev, cpu_host).reload([1, 2], [3, 4]).synchronize()
     out["checks"][f"kernel reload {label}"] = bool(torch.equal(dev.kv.cpu().view(torch.uint8), cpu_dev.kv.view(torch.uint8)))
+for label, fmt in (("bf16", PageFormat(2, 2, 64, 16)),
+                   ("fp8->bf16", PageFormat(2, 2, 64, 16, dtype="fp8_e4m3", scale="per_page_head", device_dtype="bf16"))):
+    try:
+        kernel_reload(label, fmt)
+    except Exception as error:
+        out["checks"][f"kernel reload {label}"] = False
+        out[f"kernel reload {label} error"] = repr(error)[-800:]
 out["kernel_round_trips_s"] = time.perf_counter() - kernel_began
 cache = native.cache()
 out["loaded_from"] = {module: where for (_, module), where in native.loaded_from.items()}
