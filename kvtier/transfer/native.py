@@ -67,8 +67,11 @@ _prebuilt_read: dict[str, bytes] = {}  # decoded prebuilt images by file name, u
 
 
 def kernels_available(device_index: int = 0) -> bool:
-    """True when cuda.bindings imports, a CUDA device is visible, and native/ is either in the
-    kernel cache for device `device_index` or NVRTC's library loads to compile it."""
+    """True when cuda.bindings imports, a CUDA device is visible, and native/ is either loaded
+    already, prebuilt for device `device_index` (and its driver takes them), in the kernel cache
+    for it, or NVRTC's library loads to compile it."""
+    if all((device_index, module) in _modules for module in MODULES):
+        return True
     try:
         from cuda.bindings import driver
     except ImportError:
