@@ -53,6 +53,9 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
     elif fp8_dot == "mma":
         kernel, page_ty, width = attention._decode_split_mma, "*u8", 1
         flags = dict(FP8=1, Q_TERMS=2, DOT_F32=False)
+    elif config.get("kv_per_program", 1) > 1:
+        kernel, page_ty, width = attention._decode_split_pairs_kv, "*i16", 2
+        flags = dict(FP8=1, ASM=True, KVP=config["kv_per_program"])
     else:
         kernel, page_ty, width = attention._decode_split_pairs, "*i16", 2
         flags = dict(FP8=1, ASM=True, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
@@ -71,7 +74,7 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
     )
     pointers = dict(Q="*bf16", K=page_ty, V=page_ty, KS="*fp32", VS="*fp32", PT="*i32", LENS="*i32",
                     MID_O="*fp32", MID_LSE="*fp32", OUT="*bf16", CNT="*i32")
-    constexprs = dict(GROUP=GROUP, BLOCK_H=16, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE, BLOCK_N=config["block_n"],
+    constexprs = dict(GROUP=GROUP, BLOCK_H=max(16, GROUP * config.get("kv_per_program", 1)), HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE, BLOCK_N=config["block_n"],
                       SINGLE=False, PAGE_AHEAD=config.get("page_ahead", False),
                       FUSED=config.get("merge") == "fused" and fp8_dot != "mma", **flags)
     signature, attrs = {}, {}

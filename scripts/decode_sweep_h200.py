@@ -84,6 +84,14 @@ CANDIDATES = {
         "pairs 64/2w/3s ahead, 5 per SM": dict(_config(64, 2, 3, True, "pairs"), programs_per_sm=5),
         "pairs 64/2w/4s ahead, 4 per SM": dict(_config(64, 2, 4, True, "pairs"), programs_per_sm=4),
         "pairs 128/2w/2s ahead, 4 per SM": dict(_config(128, 2, 2, True, "pairs"), programs_per_sm=4),
+        # Two kv heads a program (kv_per_program=2): 8 of 16 rows live, 256-byte pieces per token.
+        "pairs 64/4w/3s ahead, 2 kv": dict(_config(64, 4, 3, True, "pairs"), kv_per_program=2),
+        "pairs 64/4w/3s ahead, 2 kv, 2 per SM": dict(_config(64, 4, 3, True, "pairs"), kv_per_program=2,
+                                                     programs_per_sm=2),
+        "pairs 64/8w/3s ahead, 2 kv, 2 per SM": dict(_config(64, 8, 3, True, "pairs"), kv_per_program=2,
+                                                     programs_per_sm=2),
+        "pairs 128/8w/2s ahead, 2 kv, 1 per SM": dict(_config(128, 8, 2, True, "pairs"), kv_per_program=2,
+                                                      programs_per_sm=1),
     },
     "bf16": {
         "bf16 64/4w/2s": _config(64, 4, 2),

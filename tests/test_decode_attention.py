@@ -295,6 +295,30 @@ def test_fused_merge_with_one_split_and_bad_names():
         paged_decode_attention(**args, merge="tree")
 
 
+@pytest.mark.parametrize(
+    "dtype,scale,layout,kvp,group,num_splits,merge",
+    [("fp8_e4m3", "per_token_head", "nhd", 2, 4, 3, "kernel"), ("fp8_e4m3", "per_page_head", "hnd", 2, 1, 1, "kernel"),
+     ("fp8_e5m2", "per_tensor", "nhd", 4, 2, 2, "fused"), ("fp8_e4m3", "per_token_head", "nhd", 2, 8, 2, "fused")],
+)
+def test_kv_heads_stacked_per_program(dtype, scale, layout, kvp, group, num_splits, merge):
+    """kv_per_program > 1: the query heads of several kv heads stacked as rows, each row's query
+    block-diagonal over the kv heads' columns; the same bound as one kv head a program."""
+    args = make_case(1200 + kvp + group, dtype, scale, layout, batch=3, kv_heads=4, group=group, max_len=300, page_size=16)
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=32, kv_per_program=kvp, merge=merge)
+    assert_close_to_reference(out, args)
+    one = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=one, num_splits=num_splits, block_n=32, merge=merge)
+    torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_per_program_must_divide_the_kv_heads():
+    args = make_case(1300, "fp8_e4m3", "per_token_head", "nhd", kv_heads=2)
+    for bad in (3, 4, 0, True):
+        with pytest.raises(ValueError, match="kv_per_program"):
+            paged_decode_attention(**args, kv_per_program=bad)
+
+
 def test_pages_read_in_place_through_strides():
     """K and V interleaved in one engine tensor (pages, 2, *plane): views with a page stride twice the plane's."""
     args = make_case(300, "fp8_e5m2", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)
