@@ -17,6 +17,10 @@ Cases, in order:
   nvrtc_cold      empty cache, KVTIER_PREBUILT_KERNELS=off (the old first run on a fresh machine)
   warm_cache      nvrtc_cold's cache directory again, prebuilt off
   prebuilt_again  the prebuilt case once more (the OS file cache now holds the files)
+  prebuilt_pyc    the prebuilt case after `python -m compileall kvtier` (bytecode present, as a
+                  pip install leaves it; each case reports whether kvtier's .pyc existed)
+  profiled        the same with the first pool's constructor under cProfile: its 40 costliest
+                  calls by cumulative time (that case's timings are inflated by the profiler)
 
 Fail-soft: a case that fails is reported with its error and the others still run. Prints a
 table; writes $OUT/first_pool.json (OUT defaults to /tmp). About 20-40 s.
@@ -39,9 +43,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time, importlib.util
 t0 = time.perf_counter()
 sys.path.insert(0, ROOT)
+PYC = {"dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
+       "kvtier_pyc_present": os.path.exists(importlib.util.cache_from_source(os.path.join(ROOT, "kvtier", "pool", "pool.py")))}
 import torch
 t1 = time.perf_counter()
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
@@ -56,7 +62,7 @@ from kvtier.transfer.cuda_engine import CudaEngine
 t4 = time.perf_counter()
 out = {"import_torch_s": t1 - t0, "cuda_context_s": t2 - t1, "import_cuda_bindings_s": t3 - t2, "import_kvtier_s": t4 - t3,
        "capability": "sm_%d%d" % torch.cuda.get_device_capability(), "driver": driver.cuDriverGetVersion()[1],
-       "module_load_s": {}, "checks": {}}
+       "module_load_s": {}, "checks": {}, "bytecode": PYC}
 
 original_load = native._load
 def timed_load(device_index, module):
@@ -86,10 +92,24 @@ gen = torch.Generator().manual_seed(25)
 formats = (("fp8->bf16", PageFormat(32, 8, 128, 16, dtype="fp8_e4m3", scale="per_token_head", device_dtype="bf16")),
            ("bf16", PageFormat(32, 8, 128, 16)))
 out["first_pools_s"] = 0.0  # constructors + commit/flush/evict/load, without filling or checking pages
+PROFILE = os.environ.get("FIRST_POOL_PROFILE") == "1"
 def first_pool(label, fmt):
+    if PROFILE and label == formats[0][0]:  # where the first constructor's time goes (timings then inflated)
+        import cProfile, io, pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
     a = time.perf_counter()
     pool = TieredPool(fmt, device="cuda", device_pages=16, host_pages=16)
     b = time.perf_counter()
+    if PROFILE and label == formats[0][0]:
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative")
+        top = []
+        for (path, line, name), (_, calls, own, cumulative, _) in sorted(
+                stats.stats.items(), key=lambda item: -item[1][3])[:40]:
+            top.append(f"{cumulative * 1e3:8.2f} ms cum {own * 1e3:8.2f} ms own {calls:>6}x {path.split('site-packages/')[-1]}:{line}({name})")
+        out["constructor_profile"] = top
     keys = prefix_keys(list(range(4 * fmt.page_size)), fmt.page_size, pool.namespace)
     slots = pool.allocate(len(keys))
     device_pages(pool, slots, gen)
@@ -205,9 +225,21 @@ def main() -> int:
     runs: dict = {}
     with tempfile.TemporaryDirectory() as prebuilt_dir, tempfile.TemporaryDirectory() as nvrtc_dir:
         cases = (("prebuilt", prebuilt_dir, "on"), ("nvrtc_cold", nvrtc_dir, "off"),
-                 ("warm_cache", nvrtc_dir, "off"), ("prebuilt_again", prebuilt_dir, "on"))
+                 ("warm_cache", nvrtc_dir, "off"), ("prebuilt_again", prebuilt_dir, "on"),
+                 ("prebuilt_pyc", prebuilt_dir, "on"), ("profiled", prebuilt_dir, "on"))
         for label, directory, prebuilt in cases:
             env = {**base, "KVTIER_KERNEL_CACHE": directory, "KVTIER_PREBUILT_KERNELS": prebuilt}
+            if label == "profiled":
+                env["FIRST_POOL_PROFILE"] = "1"
+            if label == "prebuilt_pyc":
+                # As a pip install leaves kvtier: its modules compiled to bytecode (pip compiles them at
+                # install; a checkout run with PYTHONDONTWRITEBYTECODE=1 compiles them in every process).
+                try:
+                    done = subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "kvtier")],
+                                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+                    report["compileall"] = {"rc": done.returncode, "stderr": done.stderr[-300:]}
+                except Exception as error:  # noqa: BLE001
+                    report["compileall"] = {"error": repr(error)}
             try:
                 runs[label] = _child(env)
                 runs[label]["cache_files_after"] = sorted(os.listdir(directory))
@@ -229,9 +261,12 @@ def main() -> int:
               f"{run['import_kvtier_s']:>8.3f}{loads.get('page_copy', float('nan')):>8.3f}{loads.get('page_convert', float('nan')):>8.3f}"
               f"{run['first_pools_s']:>8.3f}{run['kernel_round_trips_s']:>8.3f}{run['kvtier_first_pool_s']:>9.3f}"
               f"{run['process_wall_s']:>7.2f}  {run['loaded_from']} nvrtc={run['nvrtc_loaded']} cache={run['cache']['hits']}h/"
-              f"{run['cache']['compiles']}c; {checks}")
+              f"{run['cache']['compiles']}c; pyc {run['bytecode']['kvtier_pyc_present']}; {checks}")
         for name in ("pool fp8->bf16", "pool bf16"):
-            print(f"{'':<15}{name}: {run[name]}")
+            print(f"{'':<15}{name}: {run.get(name)}")
+        if run.get("constructor_profile"):
+            print("  the first constructor under cProfile (cumulative; its timings above are inflated):")
+            print("\n".join("    " + line for line in run["constructor_profile"][:30]))
     print(f"\nJSON: {out / 'first_pool.json'}")
     return 0
 
