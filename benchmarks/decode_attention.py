@@ -3,8 +3,8 @@
 The Triton paged decode kernel (kvtier.decode.attention) over fp8 pages with per-token-head
 scales and over bf16 pages, a Llama-3-8B-like layer (32 query heads, 8 kv heads, head dim 128,
 16-token pages handed out in a random order), batch 1-64, context 1k-32k. Bandwidth is the KV
-and scale bytes the kernel must read over its median time (triton.testing.do_bench, L2 flushed
-before every call), with the kernels replayed from a CUDA graph so that the wrapper's host
+and scale bytes the kernel must read over its median time (L2 flushed clean before every call:
+256 MB written then read, see _flush; the write-only flush is reported as a second table), with the kernels replayed from a CUDA graph so that the wrapper's host
 time does not count (each row keeps the time of a call from Python too). The copy rate is
 `dst.copy_(src)` of 1 GiB, counted as bytes read plus bytes written (the HBM traffic a copy
 makes), so the ratio compares like with like; the JSON keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
@@ -97,13 +97,57 @@ def time_call(fn, cuda: bool) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def time_replay(fn) -> float:
-    """Median seconds of one call replayed from a CUDA graph (L2 flushed before each replay): the
-    device's time for the kernels alone, as an engine that captures its decode step sees it. A
-    call from Python costs the wrapper's host time too (checks, plan, two launches: about 0.1 ms
-    on the H200's host), which small shapes cannot hide."""
-    import triton.testing
+FLUSH_BYTES = 256 * 1024 * 1024
+_flush_buffer: list = []
 
+
+def _flush(kind: str) -> None:
+    """Evict L2 before a timed call. "clean" writes 256 MB and then reads them, so the write-back
+    of the written lines happens here and L2 is left holding clean lines; "dirty" only writes them
+    (triton.testing.do_bench's flush), which leaves L2 full of dirty lines that the timed kernel's
+    reads then write back to HBM: on an H100 that cost each decode step 0.01-0.07x of the copy
+    rate, most where it reads least (scripts/decode_sweep_h200.py's flush panel, 2026-12-05). A decode step
+    follows kernels that write little, so "clean" is the state it meets."""
+    if not _flush_buffer:
+        _flush_buffer.append(torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda"))
+    buffer = _flush_buffer[0]
+    buffer.zero_()
+    if kind == "clean":
+        buffer.max()
+
+
+def _replay_median(graph, kind: str, warmup_ms: float = 10.0, rep_ms: float = 40.0) -> float:
+    """Median seconds of graph.replay() after a flush of `kind`, over about rep_ms of replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _flush(kind)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        graph.replay()
+    reps = max(5, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for begin, finish in zip(starts, ends):
+        _flush(kind)
+        begin.record()
+        graph.replay()
+        finish.record()
+    torch.cuda.synchronize()
+    times = sorted(begin.elapsed_time(finish) for begin, finish in zip(starts, ends))
+    return times[len(times) // 2] / 1e3
+
+
+def time_replay(fn, flushes: dict | None = None) -> float:
+    """Median seconds of one call replayed from a CUDA graph, L2 flushed clean before each replay
+    (see _flush): the device's time for the kernels alone, as an engine that captures its decode
+    step sees it. Where `flushes` is a dict, it gets the median under each flush ("clean",
+    "dirty": the flush these tables used before 2026-12-05). A call from Python costs the
+    wrapper's host time too (checks, plan, two launches: about 0.1 ms on the H200's host), which
+    small shapes cannot hide."""
     fn()  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -113,7 +157,10 @@ def time_replay(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    seconds = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / 1e3
+    seconds = _replay_median(graph, "clean")
+    if flushes is not None:
+        flushes["clean"] = seconds
+        flushes["dirty"] = _replay_median(graph, "dirty")
     del graph
     return seconds
 
@@ -198,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, batch, context in itertools.product(("fp8", "bf16"), batches, contexts):
         inputs = make_inputs(batch, context, dtype, device, gen)
         eager = time_call(lambda: paged_decode_attention(**inputs, **configs[dtype]), cuda)
-        seconds = time_replay(lambda: paged_decode_attention(**inputs, **configs[dtype])) if cuda else eager
+        flushes: dict = {}
+        seconds = time_replay(lambda: paged_decode_attention(**inputs, **configs[dtype]), flushes) if cuda else eager
         nbytes = bytes_read(inputs, context)
         splits, _ = split_plan(batch, KV_HEADS, inputs["page_table"].shape[1] * PAGE, configs[dtype]["block_n"],
                                slots=attention.wave_slots(inputs["q"].device))
         gbps = nbytes / seconds / 1e9
         rows.append(dict(dtype=dtype, batch=batch, context=context, splits=splits, bytes=nbytes, us=seconds * 1e6,
                          gbps=gbps, of_copy=gbps / copy["hbm_gbps"], eager_us=eager * 1e6,
+                         dirty_flush_us=flushes.get("dirty", 0.0) * 1e6,
+                         dirty_flush_of_copy=nbytes / flushes["dirty"] / 1e9 / copy["hbm_gbps"] if "dirty" in flushes else None,
                          eager_of_copy=nbytes / eager / 1e9 / copy["hbm_gbps"]))
         print(f"  {dtype} batch {batch:>3} context {context:>6}: {seconds * 1e6:9.1f} us {gbps:8.0f} GB/s "
               f"(called from Python: {eager * 1e6:.1f} us)", flush=True)
@@ -212,12 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     report = {"meta": meta, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    print(f"\nGB/s of KV + scale bytes read (kernels replayed from a CUDA graph); x = of the D2D copy's HBM "
-          f"traffic ({copy['hbm_gbps']:.0f} GB/s); in brackets: x when called from Python")
+    print(f"\nGB/s of KV + scale bytes read (kernels replayed from a CUDA graph, L2 flushed clean); x = of the D2D "
+          f"copy's HBM traffic ({copy['hbm_gbps']:.0f} GB/s); in brackets: x when called from Python")
     print(f"{'dtype':<5} {'batch':>5} " + " ".join(f"{str(c) + ' tokens':>13}" for c in contexts))
     for dtype, batch in itertools.product(("fp8", "bf16"), batches):
         cells = [r for r in rows if r["dtype"] == dtype and r["batch"] == batch]
         print(f"{dtype:<5} {batch:>5} " + " ".join(f"{r['gbps']:6.0f} {r['of_copy']:4.2f}x ({r['eager_of_copy']:4.2f})" for r in cells))
+    if cuda:
+        print("\nx of the copy with L2 flushed dirty (writes only: the flush these tables used before 2026-12-05)")
+        for dtype, batch in itertools.product(("fp8", "bf16"), batches):
+            cells = [r for r in rows if r["dtype"] == dtype and r["batch"] == batch]
+            print(f"{dtype:<5} {batch:>5} " + " ".join(f"{r['dirty_flush_of_copy']:>13.2f}x" for r in cells))
     return 0
 
 

@@ -84,7 +84,12 @@ CANDIDATES = {
         "pairs 64/2w/3s ahead, 5 per SM": dict(_config(64, 2, 3, True, "pairs"), programs_per_sm=5),
         "pairs 64/2w/4s ahead, 4 per SM": dict(_config(64, 2, 4, True, "pairs"), programs_per_sm=4),
         "pairs 128/2w/2s ahead, 4 per SM": dict(_config(128, 2, 2, True, "pairs"), programs_per_sm=4),
-        # Two kv heads a program (kv_per_program=2): 8 of 16 rows live, 256-byte pieces per token.
+        # Several kv heads a program (kv_per_program): 2 -> 8 of 16 rows live and 256-byte pieces per
+        # token under "nhd", 4 -> 16 of 16 and 512 bytes (H100 flush panel, 2026-12-05: "hnd" pages,
+        # 2 KB pieces, read 0.92-0.97x at 8k-32k tokens against 0.81-0.87x for "nhd"'s 128 bytes).
+        # Offline sm_90 (Triton 3.9) registers / shared: 174 / 92 KB (64/4w/3s, 2 kv), 128 / 92 KB
+        # (64/8w/3s), 156 / 94 KB (128/8w/2s), 185 / 91 KB (32/4w/3s, 4 kv), 148 / 91 KB (32/8w/3s),
+        # 164 / 92 KB (64/8w/2s), 134 / 71 KB (32/4w/4s, 2 kv); programs an SM set to match.
         "pairs 64/4w/3s ahead, 2 kv": dict(_config(64, 4, 3, True, "pairs"), kv_per_program=2),
         "pairs 64/4w/3s ahead, 2 kv, 2 per SM": dict(_config(64, 4, 3, True, "pairs"), kv_per_program=2,
                                                      programs_per_sm=2),
@@ -92,6 +97,14 @@ CANDIDATES = {
                                                      programs_per_sm=2),
         "pairs 128/8w/2s ahead, 2 kv, 1 per SM": dict(_config(128, 8, 2, True, "pairs"), kv_per_program=2,
                                                       programs_per_sm=1),
+        "pairs 32/4w/3s ahead, 4 kv, 2 per SM": dict(_config(32, 4, 3, True, "pairs"), kv_per_program=4,
+                                                     programs_per_sm=2),
+        "pairs 32/8w/3s ahead, 4 kv, 1 per SM": dict(_config(32, 8, 3, True, "pairs"), kv_per_program=4,
+                                                     programs_per_sm=1),
+        "pairs 64/8w/2s ahead, 4 kv, 1 per SM": dict(_config(64, 8, 2, True, "pairs"), kv_per_program=4,
+                                                     programs_per_sm=1),
+        "pairs 32/4w/4s ahead, 2 kv, 3 per SM": dict(_config(32, 4, 4, True, "pairs"), kv_per_program=2,
+                                                     programs_per_sm=3),
     },
     "bf16": {
         "bf16 64/4w/2s": _config(64, 4, 2),
