@@ -91,5 +91,5 @@ gpu-sglang-kit:
 # 13.0 (native.PREBUILT_NVRTC) and cuda-bindings installed under build/nvrtc; no GPU needed.
 # Run after editing native/*.cu or the compile options, and commit native/prebuilt.
 prebuilt-cubins: $(STAMP)
-	$(PY) -m pip install -q --target build/nvrtc "nvidia-cuda-nvrtc==13.0.88" "cuda-bindings>=13,<14"
+	$(PY) -m pip install -q --upgrade --target build/nvrtc "nvidia-cuda-nvrtc==13.0.88" "cuda-bindings>=13,<14"
 	$(PY) scripts/build_prebuilt_cubins.py
