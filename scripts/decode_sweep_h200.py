@@ -39,8 +39,8 @@ from kvtier.format import quantize  # noqa: E402
 
 
 def _config(block_n, warps, stages, page_ahead=False, fp8_dot=None):
-    """Keyword arguments of paged_decode_attention (a "programs_per_sm" key, where added, sets
-    attention.PROGRAMS_PER_SM for the call's split plan instead)."""
+    """Keyword arguments of paged_decode_attention (a "programs_per_sm" key, where added, sets the
+    call's split plan's programs an SM)."""
     config = dict(block_n=block_n, num_warps=warps, num_stages=stages, page_ahead=page_ahead)
     if fp8_dot is not None:
         config["fp8_dot"] = fp8_dot
@@ -143,7 +143,9 @@ ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def kernel_args(config: dict) -> dict:
-    return {key: value for key, value in config.items() if key != "programs_per_sm"}
+    """paged_decode_attention's keyword arguments of a candidate (programs_per_sm included: the
+    split plan's wave for that configuration)."""
+    return dict(config)
 
 
 def numerics(dtype: str, config: dict, gen: torch.Generator, device: str = "cuda") -> float:

@@ -319,6 +319,21 @@ def test_kv_per_program_must_divide_the_kv_heads():
             paged_decode_attention(**args, kv_per_program=bad)
 
 
+def test_programs_per_sm_sets_the_split_plan():
+    """The plan's wave follows programs_per_sm: more programs an SM, more splits for the same shape."""
+    from kvtier.decode import attention
+
+    assert attention.split_plan(16, 8, 8192, 128, slots=attention.wave_slots(None, 2))[0] < \
+        attention.split_plan(16, 8, 8192, 128, slots=attention.wave_slots(None, 12))[0]
+    args = make_case(1400, "fp8_e4m3", "per_token_head", "nhd", batch=2, max_len=300)
+    for per_sm in (1, 12):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, programs_per_sm=per_sm)
+        assert_close_to_reference(out, args)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        paged_decode_attention(**args, programs_per_sm=0)
+
+
 def test_pages_read_in_place_through_strides():
     """K and V interleaved in one engine tensor (pages, 2, *plane): views with a page stride twice the plane's."""
     args = make_case(300, "fp8_e5m2", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)

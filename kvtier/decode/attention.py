@@ -840,11 +840,13 @@ def _word_views(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Ten
         return None
 
 
-def wave_slots(device: torch.device | None = None) -> int:
-    """Programs of the default configs that run at once on `device` (its SMs x PROGRAMS_PER_SM)."""
+def wave_slots(device: torch.device | None = None, per_sm: int | None = None) -> int:
+    """Programs that run at once on `device`: its SMs x `per_sm` (default PROGRAMS_PER_SM, what
+    the default configs' registers and shared memory allow)."""
+    per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
     if device is None or device.type != "cuda":
-        return DEFAULT_SMS * PROGRAMS_PER_SM
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
+        return DEFAULT_SMS * per_sm
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
 
 
 @functools.lru_cache(maxsize=None)
@@ -910,6 +912,7 @@ def paged_decode_attention(
     page_ahead: bool | None = None,
     merge: str | None = None,
     kv_per_program: int | None = None,
+    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -934,7 +937,9 @@ def paged_decode_attention(
     _merge_if_last; costs a zeroed int32 counter per (sequence, kv head); fp8_dot="mma" always
     takes "kernel"). kv_per_program: kv heads one program reads under fp8_dot="pairs" (a power of
     two dividing the kv heads; default 1): their query heads stacked as rows, see
-    _decode_split_pairs_kv; other paths read one. block_n, num_warps, num_stages, fp8_dot and
+    _decode_split_pairs_kv; other paths read one. programs_per_sm: programs of this kernel
+    configuration resident on one SM, the split plan's wave (default: the dtype's DEFAULT_CONFIGS
+    entry where it names one, else PROGRAMS_PER_SM). block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
@@ -950,6 +955,9 @@ def paged_decode_attention(
     merge = defaults.get("merge", "kernel") if merge is None else merge
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    per_sm = defaults.get("programs_per_sm", PROGRAMS_PER_SM) if programs_per_sm is None else programs_per_sm
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"programs_per_sm must be an int >= 1, got {programs_per_sm!r}")
     kvp = defaults.get("kv_per_program", 1) if kv_per_program is None else kv_per_program
     if isinstance(kvp, bool) or not isinstance(kvp, int) or kvp < 1 or kvp & (kvp - 1) or heads % kvp:
         raise ValueError(f"kv_per_program must be a power of two dividing the kv heads ({heads}), got {kv_per_program!r}")
@@ -974,7 +982,7 @@ def paged_decode_attention(
     if words is None or fp8_dot != "pairs":
         kvp = 1
     groups = heads // kvp  # programs per sequence and split
-    splits, per_split = split_plan(batch, groups, max_tokens, block_n, num_splits, wave_slots(q.device))
+    splits, per_split = split_plan(batch, groups, max_tokens, block_n, num_splits, wave_slots(q.device, per_sm))
     single = splits == 1
     mid_shape = (1, 1, 1) if single else (batch, q_heads, splits)
     mid_o = torch.empty((*mid_shape, head_dim), dtype=torch.float32, device=q.device)
