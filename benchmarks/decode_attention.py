@@ -15,7 +15,7 @@ runs the library's default plan (attention.PROGRAMS_PER_SM).
 Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
 times say nothing about a GPU.
 
-    PYTHONPATH=. python3 benchmarks/decode_attention.py [--quick] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/decode_attention.py [--quick] [--json out.json] [--layout hnd]
 """
 
 from __future__ import annotations
@@ -47,8 +47,19 @@ TUNE_CONFIGS = {
 PROGRAMS_PER_SM = (2, 3, 4, 6)
 
 
-def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
-    """Pages of `batch` sequences of `context` tokens each, scattered over the cache in a random order."""
+def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator, layout: str = "nhd") -> dict:
+    """Pages of `batch` sequences of `context` tokens each, scattered over the cache in a random
+    order, in `layout` ("hnd": the same values with each page head-major)."""
+    args = _make_nhd_inputs(batch, context, dtype, device, gen)
+    if layout == "hnd":
+        args["layout"] = "hnd"
+        for key in ("k_pages", "v_pages", "k_scales", "v_scales"):
+            if key in args:
+                args[key] = args[key].transpose(1, 2).contiguous()
+    return args
+
+
+def _make_nhd_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
     pages_per_seq = -(-context // PAGE)
     num_pages = batch * pages_per_seq
     shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
@@ -183,10 +194,11 @@ def _registers() -> dict:
         return {}
 
 
-def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: torch.Generator) -> tuple[dict, list]:
+def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: torch.Generator,
+         layout: str = "nhd") -> tuple[dict, list]:
     """The best kernel config at (batch, context), then the best split target for it at that point
     and at batch 1 (where splits matter most)."""
-    args = make_inputs(batch, context, dtype, device, gen)
+    args = make_inputs(batch, context, dtype, device, gen, layout)
     tried = []
     for config in TUNE_CONFIGS[dtype]:
         seconds = time_call(lambda: paged_decode_attention(**args, **config), cuda)
@@ -194,8 +206,8 @@ def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: tor
         print(f"  {dtype} {config}: {tried[-1]['gbps']:.0f} GB/s {_registers()}", flush=True)
     best = max(tried, key=lambda row: row["gbps"])
     config = {k: best[k] for k in TUNE_CONFIGS[dtype][0]}
-    one = make_inputs(1, context, dtype, device, gen)
-    wide = make_inputs(64, min(context, 8192), dtype, device, gen)
+    one = make_inputs(1, context, dtype, device, gen, layout)
+    wide = make_inputs(64, min(context, 8192), dtype, device, gen, layout)
     default_per_sm = attention.PROGRAMS_PER_SM
     for per_sm in PROGRAMS_PER_SM:
         attention.PROGRAMS_PER_SM = per_sm
@@ -216,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points (batch 1/16/64, context 1k/8k/32k)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--layout", choices=("nhd", "hnd"), default="nhd",
+                    help="page layout: nhd (token-major, SGLang's) or hnd (head-major inside a page)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -239,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{copy['hbm_gbps']:.0f} GB/s of HBM traffic", flush=True)
     configs, tuning = {}, {}
     for dtype in ("fp8", "bf16"):
-        configs[dtype], tuning[dtype] = tune(dtype, *tune_at, device, cuda, gen)
+        configs[dtype], tuning[dtype] = tune(dtype, *tune_at, device, cuda, gen, args.layout)
         print(f"{dtype}: best kernel config at batch {tune_at[0]}, {tune_at[1]} tokens: {configs[dtype]}", flush=True)
     rows = []
     for dtype, batch, context in itertools.product(("fp8", "bf16"), batches, contexts):
-        inputs = make_inputs(batch, context, dtype, device, gen)
+        inputs = make_inputs(batch, context, dtype, device, gen, args.layout)
         eager = time_call(lambda: paged_decode_attention(**inputs, **configs[dtype]), cuda)
         flushes: dict = {}
         seconds = time_replay(lambda: paged_decode_attention(**inputs, **configs[dtype]), flushes) if cuda else eager
@@ -259,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {dtype} batch {batch:>3} context {context:>6}: {seconds * 1e6:9.1f} us {gbps:8.0f} GB/s "
               f"(called from Python: {eager * 1e6:.1f} us)", flush=True)
         del inputs
-    report = {"meta": meta, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
+    report = {"meta": meta, "layout": args.layout, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print(f"\nGB/s of KV + scale bytes read (kernels replayed from a CUDA graph, L2 flushed clean); x = of the D2D "
