@@ -17,7 +17,7 @@ STAMP := $(VENV)/.kvtier-installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
-.PHONY: demo test stress bench clean gpu-sglang-kit
+.PHONY: demo test stress bench clean gpu-sglang-kit prebuilt-cubins
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -86,3 +86,10 @@ gpu-sglang-kit:
 	@test -f $(GPU_SGLANG_KIT)/build.sh || { echo "no kit at $(GPU_SGLANG_KIT) (set GPU_SGLANG_KIT=...)"; exit 2; }
 	@grep -qx '/.gpu-sglang/' .git/info/exclude 2>/dev/null || echo /.gpu-sglang/ >> .git/info/exclude
 	bash $(GPU_SGLANG_KIT)/build.sh
+
+# The prebuilt cubins shipped in kvtier/native/prebuilt (scripts/build_prebuilt_cubins.py): NVRTC
+# 13.0 (native.PREBUILT_NVRTC) and cuda-bindings installed under build/nvrtc; no GPU needed.
+# Run after editing native/*.cu or the compile options, and commit native/prebuilt.
+prebuilt-cubins: $(STAMP)
+	$(PY) -m pip install -q --upgrade --target build/nvrtc "nvidia-cuda-nvrtc==13.0.88" "cuda-bindings>=13,<14"
+	$(PY) scripts/build_prebuilt_cubins.py

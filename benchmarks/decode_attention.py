@@ -3,8 +3,8 @@
 The Triton paged decode kernel (kvtier.decode.attention) over fp8 pages with per-token-head
 scales and over bf16 pages, a Llama-3-8B-like layer (32 query heads, 8 kv heads, head dim 128,
 16-token pages handed out in a random order), batch 1-64, context 1k-32k. Bandwidth is the KV
-and scale bytes the kernel must read over its median time (triton.testing.do_bench, L2 flushed
-before every call), with the kernels replayed from a CUDA graph so that the wrapper's host
+and scale bytes the kernel must read over its median time (L2 flushed clean before every call:
+256 MB written then read, see _flush; the write-only flush is reported as a second table), with the kernels replayed from a CUDA graph so that the wrapper's host
 time does not count (each row keeps the time of a call from Python too). The copy rate is
 `dst.copy_(src)` of 1 GiB, counted as bytes read plus bytes written (the HBM traffic a copy
 makes), so the ratio compares like with like; the JSON keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
@@ -15,7 +15,7 @@ runs the library's default plan (attention.PROGRAMS_PER_SM).
 Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
 times say nothing about a GPU.
 
-    PYTHONPATH=. python3 benchmarks/decode_attention.py [--quick] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/decode_attention.py [--quick] [--json out.json] [--layout hnd]
 """
 
 from __future__ import annotations
@@ -47,8 +47,19 @@ TUNE_CONFIGS = {
 PROGRAMS_PER_SM = (2, 3, 4, 6)
 
 
-def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
-    """Pages of `batch` sequences of `context` tokens each, scattered over the cache in a random order."""
+def make_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator, layout: str = "nhd") -> dict:
+    """Pages of `batch` sequences of `context` tokens each, scattered over the cache in a random
+    order, in `layout` ("hnd": the same values with each page head-major)."""
+    args = _make_nhd_inputs(batch, context, dtype, device, gen)
+    if layout == "hnd":
+        args["layout"] = "hnd"
+        for key in ("k_pages", "v_pages", "k_scales", "v_scales"):
+            if key in args:
+                args[key] = args[key].transpose(1, 2).contiguous()
+    return args
+
+
+def _make_nhd_inputs(batch: int, context: int, dtype: str, device: str, gen: torch.Generator) -> dict:
     pages_per_seq = -(-context // PAGE)
     num_pages = batch * pages_per_seq
     shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
@@ -97,13 +108,57 @@ def time_call(fn, cuda: bool) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def time_replay(fn) -> float:
-    """Median seconds of one call replayed from a CUDA graph (L2 flushed before each replay): the
-    device's time for the kernels alone, as an engine that captures its decode step sees it. A
-    call from Python costs the wrapper's host time too (checks, plan, two launches: about 0.1 ms
-    on the H200's host), which small shapes cannot hide."""
-    import triton.testing
+FLUSH_BYTES = 256 * 1024 * 1024
+_flush_buffer: list = []
 
+
+def _flush(kind: str) -> None:
+    """Evict L2 before a timed call. "clean" writes 256 MB and then reads them, so the write-back
+    of the written lines happens here and L2 is left holding clean lines; "dirty" only writes them
+    (triton.testing.do_bench's flush), which leaves L2 full of dirty lines that the timed kernel's
+    reads then write back to HBM: on an H100 that cost each decode step 0.01-0.07x of the copy
+    rate, most where it reads least (scripts/decode_sweep_h200.py's flush panel, 2026-12-05). A decode step
+    follows kernels that write little, so "clean" is the state it meets."""
+    if not _flush_buffer:
+        _flush_buffer.append(torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda"))
+    buffer = _flush_buffer[0]
+    buffer.zero_()
+    if kind == "clean":
+        buffer.max()
+
+
+def _replay_median(graph, kind: str, warmup_ms: float = 10.0, rep_ms: float = 40.0) -> float:
+    """Median seconds of graph.replay() after a flush of `kind`, over about rep_ms of replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _flush(kind)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        graph.replay()
+    reps = max(5, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for begin, finish in zip(starts, ends):
+        _flush(kind)
+        begin.record()
+        graph.replay()
+        finish.record()
+    torch.cuda.synchronize()
+    times = sorted(begin.elapsed_time(finish) for begin, finish in zip(starts, ends))
+    return times[len(times) // 2] / 1e3
+
+
+def time_replay(fn, flushes: dict | None = None) -> float:
+    """Median seconds of one call replayed from a CUDA graph, L2 flushed clean before each replay
+    (see _flush): the device's time for the kernels alone, as an engine that captures its decode
+    step sees it. Where `flushes` is a dict, it gets the median under each flush ("clean",
+    "dirty": the flush these tables used before 2026-12-05). A call from Python costs the
+    wrapper's host time too (checks, plan, two launches: about 0.1 ms on the H200's host), which
+    small shapes cannot hide."""
     fn()  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -113,7 +168,10 @@ def time_replay(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    seconds = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / 1e3
+    seconds = _replay_median(graph, "clean")
+    if flushes is not None:
+        flushes["clean"] = seconds
+        flushes["dirty"] = _replay_median(graph, "dirty")
     del graph
     return seconds
 
@@ -136,10 +194,11 @@ def _registers() -> dict:
         return {}
 
 
-def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: torch.Generator) -> tuple[dict, list]:
+def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: torch.Generator,
+         layout: str = "nhd") -> tuple[dict, list]:
     """The best kernel config at (batch, context), then the best split target for it at that point
     and at batch 1 (where splits matter most)."""
-    args = make_inputs(batch, context, dtype, device, gen)
+    args = make_inputs(batch, context, dtype, device, gen, layout)
     tried = []
     for config in TUNE_CONFIGS[dtype]:
         seconds = time_call(lambda: paged_decode_attention(**args, **config), cuda)
@@ -147,8 +206,8 @@ def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: tor
         print(f"  {dtype} {config}: {tried[-1]['gbps']:.0f} GB/s {_registers()}", flush=True)
     best = max(tried, key=lambda row: row["gbps"])
     config = {k: best[k] for k in TUNE_CONFIGS[dtype][0]}
-    one = make_inputs(1, context, dtype, device, gen)
-    wide = make_inputs(64, min(context, 8192), dtype, device, gen)
+    one = make_inputs(1, context, dtype, device, gen, layout)
+    wide = make_inputs(64, min(context, 8192), dtype, device, gen, layout)
     default_per_sm = attention.PROGRAMS_PER_SM
     for per_sm in PROGRAMS_PER_SM:
         attention.PROGRAMS_PER_SM = per_sm
@@ -169,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points (batch 1/16/64, context 1k/8k/32k)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--layout", choices=("nhd", "hnd"), default="nhd",
+                    help="page layout: nhd (token-major, SGLang's) or hnd (head-major inside a page)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -192,32 +253,40 @@ def main(argv: list[str] | None = None) -> int:
           f"{copy['hbm_gbps']:.0f} GB/s of HBM traffic", flush=True)
     configs, tuning = {}, {}
     for dtype in ("fp8", "bf16"):
-        configs[dtype], tuning[dtype] = tune(dtype, *tune_at, device, cuda, gen)
+        configs[dtype], tuning[dtype] = tune(dtype, *tune_at, device, cuda, gen, args.layout)
         print(f"{dtype}: best kernel config at batch {tune_at[0]}, {tune_at[1]} tokens: {configs[dtype]}", flush=True)
     rows = []
     for dtype, batch, context in itertools.product(("fp8", "bf16"), batches, contexts):
-        inputs = make_inputs(batch, context, dtype, device, gen)
+        inputs = make_inputs(batch, context, dtype, device, gen, args.layout)
         eager = time_call(lambda: paged_decode_attention(**inputs, **configs[dtype]), cuda)
-        seconds = time_replay(lambda: paged_decode_attention(**inputs, **configs[dtype])) if cuda else eager
+        flushes: dict = {}
+        seconds = time_replay(lambda: paged_decode_attention(**inputs, **configs[dtype]), flushes) if cuda else eager
         nbytes = bytes_read(inputs, context)
         splits, _ = split_plan(batch, KV_HEADS, inputs["page_table"].shape[1] * PAGE, configs[dtype]["block_n"],
                                slots=attention.wave_slots(inputs["q"].device))
         gbps = nbytes / seconds / 1e9
         rows.append(dict(dtype=dtype, batch=batch, context=context, splits=splits, bytes=nbytes, us=seconds * 1e6,
                          gbps=gbps, of_copy=gbps / copy["hbm_gbps"], eager_us=eager * 1e6,
+                         dirty_flush_us=flushes.get("dirty", 0.0) * 1e6,
+                         dirty_flush_of_copy=nbytes / flushes["dirty"] / 1e9 / copy["hbm_gbps"] if "dirty" in flushes else None,
                          eager_of_copy=nbytes / eager / 1e9 / copy["hbm_gbps"]))
         print(f"  {dtype} batch {batch:>3} context {context:>6}: {seconds * 1e6:9.1f} us {gbps:8.0f} GB/s "
               f"(called from Python: {eager * 1e6:.1f} us)", flush=True)
         del inputs
-    report = {"meta": meta, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
+    report = {"meta": meta, "layout": args.layout, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    print(f"\nGB/s of KV + scale bytes read (kernels replayed from a CUDA graph); x = of the D2D copy's HBM "
-          f"traffic ({copy['hbm_gbps']:.0f} GB/s); in brackets: x when called from Python")
+    print(f"\nGB/s of KV + scale bytes read (kernels replayed from a CUDA graph, L2 flushed clean); x = of the D2D "
+          f"copy's HBM traffic ({copy['hbm_gbps']:.0f} GB/s); in brackets: x when called from Python")
     print(f"{'dtype':<5} {'batch':>5} " + " ".join(f"{str(c) + ' tokens':>13}" for c in contexts))
     for dtype, batch in itertools.product(("fp8", "bf16"), batches):
         cells = [r for r in rows if r["dtype"] == dtype and r["batch"] == batch]
         print(f"{dtype:<5} {batch:>5} " + " ".join(f"{r['gbps']:6.0f} {r['of_copy']:4.2f}x ({r['eager_of_copy']:4.2f})" for r in cells))
+    if cuda:
+        print("\nx of the copy with L2 flushed dirty (writes only: the flush these tables used before 2026-12-05)")
+        for dtype, batch in itertools.product(("fp8", "bf16"), batches):
+            cells = [r for r in rows if r["dtype"] == dtype and r["batch"] == batch]
+            print(f"{dtype:<5} {batch:>5} " + " ".join(f"{r['dirty_flush_of_copy']:>13.2f}x" for r in cells))
     return 0
 
 

@@ -53,6 +53,9 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
     elif fp8_dot == "mma":
         kernel, page_ty, width = attention._decode_split_mma, "*u8", 1
         flags = dict(FP8=1, Q_TERMS=2, DOT_F32=False)
+    elif config.get("kv_per_program", 1) > 1:
+        kernel, page_ty, width = attention._decode_split_pairs_kv, "*i16", 2
+        flags = dict(FP8=1, ASM=True, KVP=config["kv_per_program"])
     else:
         kernel, page_ty, width = attention._decode_split_pairs, "*i16", 2
         flags = dict(FP8=1, ASM=True, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
@@ -70,9 +73,10 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
         tokens_per_split=2048,
     )
     pointers = dict(Q="*bf16", K=page_ty, V=page_ty, KS="*fp32", VS="*fp32", PT="*i32", LENS="*i32",
-                    MID_O="*fp32", MID_LSE="*fp32", OUT="*bf16")
-    constexprs = dict(GROUP=GROUP, BLOCK_H=16, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE, BLOCK_N=config["block_n"],
-                      SINGLE=False, PAGE_AHEAD=config.get("page_ahead", False), **flags)
+                    MID_O="*fp32", MID_LSE="*fp32", OUT="*bf16", CNT="*i32")
+    constexprs = dict(GROUP=GROUP, BLOCK_H=max(16, GROUP * config.get("kv_per_program", 1)), HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE, BLOCK_N=config["block_n"],
+                      SINGLE=False, PAGE_AHEAD=config.get("page_ahead", False),
+                      FUSED=config.get("merge") == "fused" and fp8_dot != "mma", **flags)
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -110,12 +114,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass-dir", type=Path, default=Path("/tmp/decode_sm90"))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated parts of candidate names (default: all)")
     args = parser.parse_args()
+    only = [part.strip() for part in (args.only or "").split(",") if part.strip()]
     args.sass_dir.mkdir(parents=True, exist_ok=True)
     target = GPUTarget("cuda", 90, 64)
     rows = {}
     for dtype, candidates in sweep.CANDIDATES.items():
         for name, config in candidates.items():
+            if only and not any(part in name for part in only):
+                continue
             try:
                 kernel, signature, constexprs, attrs = kernel_and_args(dtype, config)
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
@@ -127,10 +135,10 @@ def main() -> int:
                 row = {"error": repr(error)[:300]}
             rows[name] = row
             if "error" in row:
-                print(f"{name:<30} FAILED {row['error']}", flush=True)
+                print(f"{name:<46} FAILED {row['error']}", flush=True)
                 continue
             fits = "" if row["shared"] <= SHARED_LIMIT else "  OVER the shared-memory limit"
-            print(f"{name:<30} regs {row['regs']:>3} spills {row['spills']:>3} shared {row['shared']:>7}  "
+            print(f"{name:<46} regs {row['regs']:>3} spills {row['spills']:>3} shared {row['shared']:>7}  "
                   + " ".join(f"{op} {row[op]}" for op in OPS if row[op]) + fits, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))

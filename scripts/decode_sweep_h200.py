@@ -39,8 +39,8 @@ from kvtier.format import quantize  # noqa: E402
 
 
 def _config(block_n, warps, stages, page_ahead=False, fp8_dot=None):
-    """Keyword arguments of paged_decode_attention (a "programs_per_sm" key, where added, sets
-    attention.PROGRAMS_PER_SM for the call's split plan instead)."""
+    """Keyword arguments of paged_decode_attention (a "programs_per_sm" key, where added, sets the
+    call's split plan's programs an SM)."""
     config = dict(block_n=block_n, num_warps=warps, num_stages=stages, page_ahead=page_ahead)
     if fp8_dot is not None:
         config["fp8_dot"] = fp8_dot
@@ -52,7 +52,7 @@ def _config(block_n, warps, stages, page_ahead=False, fp8_dot=None):
 # registers a thread, so two programs an SM (programs_per_sm sets the split plan's target).
 CANDIDATES = {
     "fp8": {
-        "pairs 128/4w/2s (default)": _config(128, 4, 2, False, "pairs"),
+        "pairs 128/4w/2s": _config(128, 4, 2, False, "pairs"),
         "pairs 128/4w/2s ahead": _config(128, 4, 2, True, "pairs"),
         "pairs 128/4w/3s ahead": _config(128, 4, 3, True, "pairs"),
         "pairs 64/4w/3s ahead": _config(64, 4, 3, True, "pairs"),
@@ -66,20 +66,86 @@ CANDIDATES = {
         "mma 256/4w/2s ahead": _config(256, 4, 2, True, "mma"),
         "mma 128/8w/3s ahead": _config(128, 8, 3, True, "mma"),
         "mma 128/4w/2s ahead, 2 per SM": dict(_config(128, 4, 2, True, "mma"), programs_per_sm=2),
+        # The split plan against the default kernel (2026-12-05): 2 per SM takes fewer splits (64 x 1k:
+        # one, no merge), 6 and 12 more (two and four waves at 16 x 8k); 8 warps hold ~108 registers
+        # a thread (two programs an SM).
+        "pairs 128/4w/3s ahead, 2 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=2),
+        "pairs 128/4w/3s ahead, 6 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=6),
+        "pairs 128/4w/3s ahead, 12 per SM": dict(_config(128, 4, 3, True, "pairs"), programs_per_sm=12),
+        "pairs 128/8w/3s ahead, 2 per SM": dict(_config(128, 8, 3, True, "pairs"), programs_per_sm=2),
+        "pairs 64/4w/3s ahead, 2 per SM": dict(_config(64, 4, 3, True, "pairs"), programs_per_sm=2),
+        # The merge fused into the split kernel (merge="fused": no second launch), alone and with
+        # plans of more splits, whose merge it makes cheaper.
+        "pairs 128/4w/3s ahead, fused merge": dict(_config(128, 4, 3, True, "pairs"), merge="fused"),
+        "pairs 128/4w/3s ahead, fused merge, 6 per SM": dict(_config(128, 4, 3, True, "pairs"), merge="fused",
+                                                             programs_per_sm=6),
+        # Two warps: fewer warps to reduce across, more programs an SM (offline sm_90: 180 / 181 / 255
+        # registers, 40 / 57 / 42 KB shared: five, four, four an SM).
+        "pairs 64/2w/3s ahead, 5 per SM": dict(_config(64, 2, 3, True, "pairs"), programs_per_sm=5),
+        "pairs 64/2w/4s ahead, 4 per SM": dict(_config(64, 2, 4, True, "pairs"), programs_per_sm=4),
+        "pairs 128/2w/2s ahead, 4 per SM": dict(_config(128, 2, 2, True, "pairs"), programs_per_sm=4),
+        # Several kv heads a program (kv_per_program): 2 -> 8 of 16 rows live and 256-byte pieces per
+        # token under "nhd", 4 -> 16 of 16 and 512 bytes (H100 flush panel, 2026-12-05: "hnd" pages,
+        # 2 KB pieces, read 0.92-0.97x at 8k-32k tokens against 0.81-0.87x for "nhd"'s 128 bytes).
+        # Offline sm_90 (Triton 3.9) registers / shared: 174 / 92 KB (64/4w/3s, 2 kv), 128 / 92 KB
+        # (64/8w/3s), 156 / 94 KB (128/8w/2s), 185 / 91 KB (32/4w/3s, 4 kv), 148 / 91 KB (32/8w/3s),
+        # 164 / 92 KB (64/8w/2s), 134 / 71 KB (32/4w/4s, 2 kv); programs an SM set to match.
+        "pairs 64/4w/3s ahead, 2 kv": dict(_config(64, 4, 3, True, "pairs"), kv_per_program=2),
+        "pairs 64/4w/3s ahead, 2 kv, 2 per SM": dict(_config(64, 4, 3, True, "pairs"), kv_per_program=2,
+                                                     programs_per_sm=2),
+        "pairs 64/8w/3s ahead, 2 kv, 2 per SM": dict(_config(64, 8, 3, True, "pairs"), kv_per_program=2,
+                                                     programs_per_sm=2),
+        "pairs 128/8w/2s ahead, 2 kv, 1 per SM": dict(_config(128, 8, 2, True, "pairs"), kv_per_program=2,
+                                                      programs_per_sm=1),
+        "pairs 32/4w/3s ahead, 4 kv, 2 per SM": dict(_config(32, 4, 3, True, "pairs"), kv_per_program=4,
+                                                     programs_per_sm=2),
+        "pairs 32/8w/3s ahead, 4 kv, 1 per SM": dict(_config(32, 8, 3, True, "pairs"), kv_per_program=4,
+                                                     programs_per_sm=1),
+        "pairs 64/8w/2s ahead, 4 kv, 1 per SM": dict(_config(64, 8, 2, True, "pairs"), kv_per_program=4,
+                                                     programs_per_sm=1),
+        "pairs 32/4w/4s ahead, 2 kv, 3 per SM": dict(_config(32, 4, 4, True, "pairs"), kv_per_program=2,
+                                                     programs_per_sm=3),
     },
     "bf16": {
-        "bf16 64/4w/2s (default)": _config(64, 4, 2),
+        "bf16 64/4w/2s": _config(64, 4, 2),
         "bf16 64/4w/2s ahead": _config(64, 4, 2, True),
         "bf16 64/4w/3s ahead": _config(64, 4, 3, True),
         "bf16 128/8w/2s ahead": _config(128, 8, 2, True),
+        "bf16 64/4w/3s ahead, fused merge": dict(_config(64, 4, 3, True), merge="fused"),
     },
 }
+
+
+def default_name(dtype: str) -> str | None:
+    """The candidate that is today's DEFAULT_CONFIGS entry for `dtype` (its label gets "(default)")."""
+    wanted = attention.DEFAULT_CONFIGS["fp8" if dtype == "fp8" else "16-bit"]
+    for name, config in CANDIDATES[dtype].items():
+        if "programs_per_sm" not in config and all(config.get(k, v) == v for k, v in wanted.items()) and \
+                all(wanted.get(k, config[k]) == config[k] for k in config):
+            return name
+    return None
+
+
+def select(only: str | None) -> None:
+    """Keep the defaults and the candidates whose names contain one of the comma-separated `only` parts."""
+    if not only:
+        return
+    parts = [part.strip() for part in only.split(",") if part.strip()]
+    for dtype, candidates in CANDIDATES.items():
+        keep = default_name(dtype)
+        for name in list(candidates):
+            if name != keep and not any(part in name for part in parts):
+                del candidates[name]
+
+
 SHAPES = [(b, c) for b in (16, 64) for c in (1024, 8192, 32768)]
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def kernel_args(config: dict) -> dict:
-    return {key: value for key, value in config.items() if key != "programs_per_sm"}
+    """paged_decode_attention's keyword arguments of a candidate (programs_per_sm included: the
+    split plan's wave for that configuration)."""
+    return dict(config)
 
 
 def numerics(dtype: str, config: dict, gen: torch.Generator, device: str = "cuda") -> float:
@@ -157,12 +223,164 @@ def run(args: argparse.Namespace, report: dict, out_file: Path) -> None:
             out_file.write_text(json.dumps(report, indent=1, default=str))
 
 
+def merge_only(report: dict) -> None:
+    """The merge kernel alone, as the default fp8 plan launches it at each shape: what fusing it
+    into the split kernel (or a plan of one split) could save at most."""
+    import triton
+
+    rows = report.setdefault("merge_only", [])
+    config = attention.DEFAULT_CONFIGS["fp8"]
+    for batch, context in SHAPES:
+        row = dict(batch=batch, context=context)
+        try:
+            heads, q_heads, head_dim = bench.KV_HEADS, bench.Q_HEADS, bench.HEAD_DIM
+            splits, per_split = attention.split_plan(batch, heads, context, config["block_n"], None,
+                                                     attention.wave_slots(torch.device("cuda")))
+            row["splits"] = splits
+            if splits > 1:
+                mid_o = torch.randn((batch, q_heads, splits, head_dim), device="cuda")
+                mid_lse = torch.randn((batch, q_heads, splits), device="cuda")
+                lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                out = torch.empty((batch, q_heads, head_dim), dtype=torch.bfloat16, device="cuda")
+
+                def merge():
+                    attention._merge_splits[(batch, q_heads)](
+                        mid_o, mid_lse, lens, out, per_split,
+                        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+                        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                        num_warps=4)
+
+                row["us"] = bench.time_replay(merge) * 1e6
+        except Exception as error:  # noqa: BLE001
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+
+
+FLUSHES = ("zero", "zero+read", "read")
+
+
+def time_flushed(fn, flush: str, buffer: torch.Tensor, reps: int = 40) -> float:
+    """Median seconds of `fn` replayed from a CUDA graph after an L2 flush of kind `flush`:
+    "zero" writes 256 MB (triton.testing.do_bench's flush, used by every table above: it leaves
+    L2 full of dirty lines, which the timed kernel's reads then write back to HBM), "zero+read"
+    writes it then reads it (the write-back happens before the timed call, L2 is left clean),
+    "read" only reads it (clean L2 without the zeroing)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def clear() -> None:
+        if "zero" in flush:
+            buffer.zero_()
+        if "read" in flush:
+            buffer.max()
+
+    for _ in range(5):
+        clear()
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        clear()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    del graph
+    times = sorted(start.elapsed_time(end) for start, end in zip(starts, ends))
+    return times[len(times) // 2] / 1e3
+
+
+def flush_panel(report: dict, left) -> None:
+    """The defaults (and the fused merge, and pages in "hnd" layout) at every shape under each L2
+    flush of time_flushed: how much of each step the flush's dirty lines cost (a decode step
+    follows kernels that write little, so its L2 holds few dirty lines), and whether longer
+    contiguous pieces per program read faster."""
+    configs = {"fp8": {"fp8 default": {}, "fp8 default, fused merge": dict(merge="fused")},
+               "bf16": {"bf16 default": {}}}
+    rows = report.setdefault("flush_rows", [])
+    copy = report.get("copy", {}).get("hbm_gbps") or bench.copy_rate(True, "cuda")["hbm_gbps"]
+    buffer = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(26)
+    for batch, context in SHAPES:
+        for dtype, variants in configs.items():
+            if left() < 0:
+                report["flush_stopped"] = f"budget spent before {dtype} batch {batch} x {context}"
+                return
+            inputs = bench.make_inputs(batch, context, dtype, "cuda", gen)
+            nbytes = bench.bytes_read(inputs, context)
+            # The same pages head-major ("hnd": a kv head's tokens of a page contiguous, 2 KB of fp8
+            # at head_dim 128, where "nhd" gives each program 128-byte pieces 1 KB apart).
+            variants = dict(variants)
+            variants[f"{dtype} default, hnd pages"] = dict(layout="hnd", _hnd=True)
+            hnd = None
+            for name, extra in variants.items():
+                call = inputs
+                if extra.get("_hnd"):
+                    try:
+                        if hnd is None:
+                            hnd = dict(inputs, layout="hnd")
+                            for key in ("k_pages", "v_pages", "k_scales", "v_scales"):
+                                if key in inputs:
+                                    hnd[key] = inputs[key].transpose(1, 2).contiguous()
+                        call = hnd
+                    except Exception as error:  # noqa: BLE001 - too large for the device beside the nhd pages
+                        rows.append(dict(dtype=dtype, variant=name, flush="-", batch=batch, context=context,
+                                         error=repr(error)[:300]))
+                        continue
+                extra = {key: value for key, value in extra.items() if key not in ("_hnd", "layout")}
+                for flush in FLUSHES:
+                    row = dict(dtype=dtype, variant=name, flush=flush, batch=batch, context=context)
+                    try:
+                        seconds = time_flushed(lambda: paged_decode_attention(**call, **extra), flush, buffer)
+                        row.update(us=seconds * 1e6, of_copy=nbytes / seconds / 1e9 / copy)
+                    except Exception as error:  # noqa: BLE001
+                        row["error"] = repr(error)[:300]
+                    rows.append(row)
+            del inputs, hnd
+            torch.cuda.empty_cache()
+
+
+def print_flush_table(report: dict) -> None:
+    rows = report.get("flush_rows", [])
+    if not rows:
+        return
+    print("\n== the defaults under each L2 flush: x of the D2D copy's HBM traffic (us); 'zero' is the tables' flush")
+    print(f"{'variant / flush':<42}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
+    for key in dict.fromkeys((r["variant"], r["flush"]) for r in rows):
+        cells = []
+        for b, c in SHAPES:
+            row = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (*key, b, c)), None)
+            cells.append(f"{'-':>16}" if row is None else f"{'FAIL':>16}" if "error" in row else
+                         f"{row['of_copy']:>6.2f}x ({row['us']:6.1f})")
+        print(f"{key[0] + ' / ' + key[1]:<42}" + "".join(cells))
+    print("fp8 step / bf16 step, same flush (goal <= 0.6 from 8k tokens):")
+    for name in dict.fromkeys(r["variant"] for r in rows if r["dtype"] == "fp8"):
+        for flush in FLUSHES:
+            cells = []
+            for b, c in SHAPES:
+                fp8 = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (name, flush, b, c)
+                            and "us" in r), None)
+                reference = "bf16 default" + (", hnd pages" if "hnd" in name else "")
+                bf16 = next((r for r in rows if (r["variant"], r["flush"], r["batch"], r["context"]) == (reference, flush, b, c)
+                             and "us" in r), None)
+                cells.append(f"{fp8['us'] / bf16['us']:>16.2f}" if fp8 and bf16 else f"{'-':>16}")
+            print(f"{name + ' / ' + flush:<42}" + "".join(cells))
+
+
 def print_tables(report: dict) -> None:
     rows = report.get("rows", [])
     copy = report.get("copy", {}).get("hbm_gbps", 0)
     print(f"\n== decode attention, graph replay: x of the D2D copy's HBM traffic ({copy:.0f} GB/s); us in brackets")
-    print(f"{'candidate':<30}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
-    bf16 = {(r["batch"], r["context"]): r["us"] for r in rows if r.get("variant") == "bf16 64/4w/2s (default)" and "us" in r}
+    print(f"{'candidate':<42}" + "".join(f"{f'{b} x {c // 1024}k':>16}" for b, c in SHAPES))
+    bf16_default = default_name("bf16")
+    bf16 = {(r["batch"], r["context"]): r["us"] for r in rows if r.get("variant") == bf16_default and "us" in r}
     for dtype, candidates in CANDIDATES.items():
         for name in candidates:
             cells = []
@@ -170,12 +388,19 @@ def print_tables(report: dict) -> None:
                 row = next((r for r in rows if (r["variant"], r["batch"], r["context"]) == (name, b, c)), None)
                 cells.append(f"{'-':>16}" if row is None else f"{'FAIL':>16}" if "error" in row else
                              f"{row['of_copy']:>6.2f}x ({row['us']:6.1f})")
-            print(f"{name:<30}" + "".join(cells))
-    print("fp8 step time / bf16 default step time (goal <= 0.6 from 8k tokens):")
+            label = name + (" (default)" if name == default_name(dtype) else "")
+            print(f"{label:<42}" + "".join(cells))
+    print(f"fp8 step time / bf16 default ({bf16_default}) step time (goal <= 0.6 from 8k tokens):")
     for name in CANDIDATES["fp8"]:
         ratios = [next((f"{r['us'] / bf16[(b, c)]:.2f}" for r in rows if (r["variant"], r["batch"], r["context"]) ==
                         (name, b, c) and "us" in r and (b, c) in bf16), "-") for b, c in SHAPES]
-        print(f"{name:<30}" + "".join(f"{x:>16}" for x in ratios))
+        print(f"{name:<42}" + "".join(f"{x:>16}" for x in ratios))
+    merges = report.get("merge_only", [])
+    if merges:
+        print("the merge kernel alone at the default fp8 plan (us; graph replay, L2 flushed):")
+        for row in merges:
+            print(f"  batch {row['batch']} x {row['context'] // 1024}k: {row.get('splits')} splits, "
+                  + (f"{row['us']:.1f} us" if "us" in row else row.get("error", "single split: no merge")))
     for name, check in report.get("numerics", {}).items():
         if "error" in check or check["worst_over_bound"] > 1:
             print(f"NUMERICS FAILED {name}: {check}")
@@ -207,7 +432,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=230.0, help="seconds after which no new shape starts")
     parser.add_argument("--no-first-pool", action="store_true", help="skip the first-pool timing at the end")
+    parser.add_argument("--no-flush-panel", action="store_true", help="skip the defaults under each L2 flush")
+    parser.add_argument("--flush-only", action="store_true", help="time only the defaults under each L2 flush")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated parts of candidate names to time besides the defaults, e.g. 'per SM'")
     args = parser.parse_args()
+    select(args.only)
     out = Path(os.environ.get("OUT") or "/tmp")
     out.mkdir(parents=True, exist_ok=True)
     out_file = out / "decode_sweep.json"
@@ -221,12 +451,25 @@ def main() -> int:
         report["meta"]["triton"] = __import__("triton").__version__
     except Exception as error:  # noqa: BLE001
         report["meta"] = {"error": repr(error)}
-    try:
-        run(args, report, out_file)
-    except Exception as error:  # noqa: BLE001 - what was measured stays in the JSON
-        report.setdefault("errors", []).append(repr(error))
-        traceback.print_exc()
-    print_tables(report)
+    if not args.flush_only:
+        try:
+            run(args, report, out_file)
+        except Exception as error:  # noqa: BLE001 - what was measured stays in the JSON
+            report.setdefault("errors", []).append(repr(error))
+            traceback.print_exc()
+        try:
+            merge_only(report)
+        except Exception as error:  # noqa: BLE001
+            report.setdefault("errors", []).append(f"merge_only: {error!r}")
+        print_tables(report)
+    if not args.no_flush_panel:
+        try:
+            flush_panel(report, lambda: args.budget + 150 - (time.perf_counter() - began))
+        except Exception as error:  # noqa: BLE001
+            report.setdefault("errors", []).append(f"flush_panel: {error!r}")
+            traceback.print_exc()
+        print_flush_table(report)
+        out_file.write_text(json.dumps(report, indent=1, default=str))
     if not args.no_first_pool and time.perf_counter() - began < args.budget + 30:
         first_pool(report)
     report["seconds"] = time.perf_counter() - began

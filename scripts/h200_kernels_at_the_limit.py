@@ -6,7 +6,8 @@ per pairing of copy mechanisms, and fp8 / bf16 decode attention per kernel varia
    pages upcast to bf16 and one of bf16 pages, and moves a page each way (which loads both
    native/ modules). Phases are timed apart (cuda-bindings' imports on their own); "pool" =
    constructor + first transfers; the issue's goal (<= 0.25 s) is cuda-bindings + kvtier
-   imports + the first pool, in a process whose CUDA context exists. Where CuPy is installed, a third process
+   imports + the first pool, in a process whose CUDA context exists ("cold" loads the prebuilt
+   cubins where the GPU has them; scripts/first_pool_h200.py times them against NVRTC). Where CuPy is installed, a third process
    times the old path once (CuPy RawModule compile into an empty CUPY_CACHE_DIR) for contrast.
 2. Both directions: kvtier.bench.both_directions at 64 / 256 / 1024 KiB records, against the
    both-directions PCIe limit measured in the same run.
@@ -68,6 +69,7 @@ for label, fmt in (("fp8->bf16", PageFormat(32, 8, 128, 16, dtype="fp8_e4m3", sc
     pool.close()
 cache = native.cache()
 phases["cache"] = {"directory": str(cache.directory), "hits": cache.hits, "compiles": cache.compiles}
+phases["loaded_from"] = {module: where for (_, module), where in getattr(native, "loaded_from", {}).items()}
 phases["nvrtc_loaded"] = "cuda.bindings.nvrtc" in sys.modules
 phases["total_s"] = time.perf_counter() - t0
 print("RESULT " + json.dumps(phases))

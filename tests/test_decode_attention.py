@@ -266,6 +266,74 @@ def test_split_kv_merge(num_splits):
     assert_close_to_reference(out, args)
 
 
+@pytest.mark.parametrize(
+    "dtype,scale,fp8_dot",
+    [("bf16", "none", None), ("fp8_e4m3", "per_token_head", "pairs"), ("fp8_e5m2", "per_page_head", "query"),
+     ("fp8_e4m3", "per_tensor", "mma")],
+)
+@pytest.mark.parametrize("num_splits", [2, 7])
+def test_fused_merge_matches_the_merge_kernel(dtype, scale, fp8_dot, num_splits):
+    """merge="fused": the last split program of each sequence and kv head merges (short sequences
+    have fewer live splits than the grid; group 4 pads query heads to 16 rows): the same sums as
+    the merge kernel's, in another order, so equal within fp32 rounding and close to the reference."""
+    args = make_case(990 + num_splits, dtype, scale, "nhd", batch=3, max_len=300, page_size=16, group=4)
+    outs = {}
+    for merge in ("kernel", "fused"):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=32, fp8_dot=fp8_dot, merge=merge)
+        outs[merge] = out
+    assert torch.isfinite(outs["fused"]).all()
+    torch.testing.assert_close(outs["fused"], outs["kernel"], rtol=2e-6, atol=2e-6)
+    assert_close_to_reference(outs["fused"], args, torch.bfloat16 if fp8_dot in ("query", "mma") else None)
+
+
+def test_fused_merge_with_one_split_and_bad_names():
+    args = make_case(995, "fp8_e4m3", "per_token_head", "nhd", batch=2, max_len=130)
+    out = paged_decode_attention(**args, num_splits=1, merge="fused")
+    assert_close_to_reference(out, args)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        paged_decode_attention(**args, merge="tree")
+
+
+@pytest.mark.parametrize(
+    "dtype,scale,layout,kvp,group,num_splits,merge",
+    [("fp8_e4m3", "per_token_head", "nhd", 2, 4, 3, "kernel"), ("fp8_e4m3", "per_page_head", "hnd", 2, 1, 1, "kernel"),
+     ("fp8_e5m2", "per_tensor", "nhd", 4, 2, 2, "fused"), ("fp8_e4m3", "per_token_head", "nhd", 2, 8, 2, "fused")],
+)
+def test_kv_heads_stacked_per_program(dtype, scale, layout, kvp, group, num_splits, merge):
+    """kv_per_program > 1: the query heads of several kv heads stacked as rows, each row's query
+    block-diagonal over the kv heads' columns; the same bound as one kv head a program."""
+    args = make_case(1200 + kvp + group, dtype, scale, layout, batch=3, kv_heads=4, group=group, max_len=300, page_size=16)
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=32, kv_per_program=kvp, merge=merge)
+    assert_close_to_reference(out, args)
+    one = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=one, num_splits=num_splits, block_n=32, merge=merge)
+    torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_per_program_must_divide_the_kv_heads():
+    args = make_case(1300, "fp8_e4m3", "per_token_head", "nhd", kv_heads=2)
+    for bad in (3, 4, 0, True):
+        with pytest.raises(ValueError, match="kv_per_program"):
+            paged_decode_attention(**args, kv_per_program=bad)
+
+
+def test_programs_per_sm_sets_the_split_plan():
+    """The plan's wave follows programs_per_sm: more programs an SM, more splits for the same shape."""
+    from kvtier.decode import attention
+
+    assert attention.split_plan(16, 8, 8192, 128, slots=attention.wave_slots(None, 2))[0] < \
+        attention.split_plan(16, 8, 8192, 128, slots=attention.wave_slots(None, 12))[0]
+    args = make_case(1400, "fp8_e4m3", "per_token_head", "nhd", batch=2, max_len=300)
+    for per_sm in (1, 12):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, programs_per_sm=per_sm)
+        assert_close_to_reference(out, args)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        paged_decode_attention(**args, programs_per_sm=0)
+
+
 def test_pages_read_in_place_through_strides():
     """K and V interleaved in one engine tensor (pages, 2, *plane): views with a page stride twice the plane's."""
     args = make_case(300, "fp8_e5m2", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)

@@ -56,6 +56,10 @@ def test_wheel_carries_sources_types_license_and_every_module(wheel):
         names = set(whl.namelist())
         for cu in sorted((ROOT / "native").glob("*.cu")):
             assert whl.read(f"kvtier/native/{cu.name}") == cu.read_bytes()
+        prebuilt = sorted((ROOT / "native" / "prebuilt").glob("*.cubin.z"))
+        assert prebuilt, "no prebuilt cubins in native/prebuilt"
+        for cubin in prebuilt:
+            assert whl.read(f"kvtier/native/prebuilt/{cubin.name}") == cubin.read_bytes()
         assert "kvtier/py.typed" in names
         (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
         assert whl.read(license_name) == (ROOT / "LICENSE").read_bytes()

@@ -75,3 +75,19 @@ def test_refusals_name_what_is_missing():
         reload(CONVERTING, Abilities(kernels=True, copy_engine=True, capability=(8, 0)), setting="kernel")
     with pytest.raises(RuntimeError, match="staged"):
         reload(CONVERTING, Abilities(kernels=False, copy_engine=True, capability=(9, 0)), setting="staged")
+
+
+def test_copy_engine_availability_without_importing_the_runtime():
+    """batch_memcpy_available() (what CudaEngine tells path_choice before the copy engines' first
+    use) agrees with importing the runtime (batch_memcpy_runtime(), the copy engines' first use),
+    asked in a fresh process so the first answer is given before any import of the runtime."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_available, batch_memcpy_runtime; "
+            "imported = 'cuda.bindings.runtime' in sys.modules; first = batch_memcpy_available(); "
+            "print(first, batch_memcpy_runtime() is not None, imported)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, actual, _ = done.stdout.split()
+    assert first == actual

@@ -63,6 +63,9 @@ FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
 FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "mma")
+# How split partial outputs are merged: a second kernel (_merge_splits), or by the last program of
+# each (sequence, kv head) inside the split kernel (_merge_if_last; not under fp8_dot="mma").
+MERGES = ("kernel", "fused")
 # The kernel configuration a call gets where it names none, for fp8 pages and for 16-bit pages: the
 # fastest of configuration searches on an H200 (BENCHMARKS.md, "Decode attention kernel").
 # Chosen by scripts/decode_sweep_h200.py on an H200 (2026-12-04, BENCHMARKS.md): fp8 pages with
@@ -153,8 +156,42 @@ def _token_scales(S, page, row, kvh, stride_p, stride_t, stride_h, live):
 
 
 @triton.jit
+def _merge_if_last(
+    MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """The merge fused into the split kernel (merge="fused"): after storing its partial output, a
+    program counts itself done on CNT[b, kvh] (zero before the launch), and the one that counts
+    last merges every split of its query heads, as _merge_splits would, so no second kernel runs.
+
+    The counter's add is acq_rel at GPU scope, between barriers: every thread's stores of this
+    program happen before it, and the last program's loads after it; the partial outputs are
+    read at L2 (.cg), never from a stale L1 line."""
+    tl.debug_barrier()
+    done = tl.atomic_add(CNT + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+    splits = tl.cdiv(tl.load(LENS + b), tokens_per_split)
+    if done == splits - 1:
+        tl.debug_barrier()
+        offs_d = tl.arange(0, HEAD_DIM)
+        lse_ptr = MID_LSE + b * stride_lb + heads * stride_lh
+        top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for i in range(0, splits):
+            top = tl.maximum(top, tl.load(lse_ptr + i, mask=mask_h, other=0.0, cache_modifier=".cg"))
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        for i in range(0, splits):
+            w = tl.exp2(tl.load(lse_ptr + i, mask=mask_h, other=0.0, cache_modifier=".cg") - top)
+            acc += w[:, None] * tl.load(o_ptr + i * stride_os, mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+            total += w
+        out_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
+        tl.store(out_ptr, (acc / total[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.jit
 def _decode_split(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -177,6 +214,7 @@ def _decode_split(
     DOT_F32: tl.constexpr,
     SINGLE: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
 
@@ -259,6 +297,10 @@ def _decode_split(
             o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
             tl.store(o_ptr, acc / s[:, None], mask=mask_h[:, None])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+            if FUSED:
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                               BLOCK_H, HEAD_DIM)
 
 
 @triton.jit
@@ -287,7 +329,7 @@ def _fp8_pairs_to_f16(x, FP8: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _decode_split_pairs(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -310,6 +352,7 @@ def _decode_split_pairs(
     SPLIT_VMAX: tl.constexpr = False,
     ROW_SUMS: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
 
@@ -413,6 +456,129 @@ def _decode_split_pairs(
             tl.store(o_ptr, acc_even / divisor[:, None], mask=mask_h[:, None])
             tl.store(o_ptr + 1, acc_odd / divisor[:, None], mask=mask_h[:, None])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+            if FUSED:
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                               BLOCK_H, HEAD_DIM)
+
+
+@triton.jit
+def _decode_split_pairs_kv(
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
+    qk_scale,
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh,
+    stride_vsp, stride_vst, stride_vsh,
+    stride_ptb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    ASM: tl.constexpr,
+    SINGLE: tl.constexpr,
+    KVP: tl.constexpr,
+    PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
+):
+    """_decode_split_pairs over KVP kv heads at once (kv_per_program): program (b, g, split) reads
+    kv heads g*KVP .. g*KVP+KVP-1, whose query heads are KVP*GROUP consecutive rows (padded to
+    BLOCK_H). A token's pages of those heads are one tile of KVP*HEAD_DIM/2 words (under "nhd"
+    one contiguous piece of KVP*HEAD_DIM bytes), and the dots run over all of it with each row's
+    query placed block-diagonally: a row holds its head's values in its kv head's columns and
+    zeros elsewhere, so Q.K^T gives each row the scores against its own kv head (the zeros add
+    exact zeros). P.V yields every row against every kv head's V; each row keeps its own kv
+    head's columns. The scales are per (row, token) tiles; V's block maximum is per row.
+    Fewer padded rows (GROUP 4, KVP 2: 8 of 16 rows live instead of 4) and longer pieces read,
+    for twice the MMA work, which the loop has to spare."""
+    HALF_D: tl.constexpr = HEAD_DIM // 2
+    WORDS: tl.constexpr = KVP * HALF_D
+    b, kvg, split, start, end = _split_range(LENS, tokens_per_split)
+    if start < end:
+        kv0 = kvg * KVP
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP * KVP
+        heads = kv0 * GROUP + offs_h
+        row_kv = offs_h // GROUP  # each row's kv head, counted from kv0
+        offs_w = tl.arange(0, WORDS)
+        word_kv = offs_w // HALF_D
+        word_d = offs_w % HALF_D
+        own = mask_h[:, None] & (word_kv[None, :] == row_kv[:, None])
+        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * word_d[None, :]
+        q_even = tl.load(q_ptr, mask=own, other=0.0).to(tl.float32)
+        q_odd = tl.load(q_ptr + 1, mask=own, other=0.0).to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
+        score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
+        q_even = (q_even * q_factor).to(tl.float16)
+        q_odd = (q_odd * q_factor).to(tl.float16)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_H], tl.float32)
+        acc_even = tl.zeros([BLOCK_H, WORDS], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, WORDS], tl.float32)
+        row_heads = kv0 + tl.minimum(row_kv, KVP - 1)  # padded rows read the last kv head's scales
+        page_ahead = 0
+        if PAGE_AHEAD:
+            page_ahead = _block_pages(PT, b, stride_ptb, start, end, BLOCK_N, PAGE_SIZE)
+        for n0 in range(start, end, BLOCK_N):
+            live, page, row, page_ahead = _next_block(
+                PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
+            k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + (kv0 + word_kv[None, :]) * stride_kh \
+                + word_d[None, :]
+            v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + (kv0 + word_kv[None, :]) * stride_vh \
+                + word_d[None, :]
+            k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
+            if ASM:
+                score = tl.dot(q_even, tl.trans(k_even))
+                score = tl.dot(q_odd, tl.trans(k_odd), score)
+            else:  # the interpreter's dot: fp32 operands holding the same values
+                score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
+                score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+            k_scale = tl.load(KS + page[None, :] * stride_ksp + row[None, :] * stride_kst + row_heads[:, None] * stride_ksh,
+                              mask=live[None, :], other=0.0)
+            score = score * (k_scale * score_scale)
+            score = tl.where(live[None, :], score, float("-inf"))
+            m_block = tl.max(score, 1)
+            m_new = tl.maximum(m, m_block)
+            alpha = tl.exp2(m - m_new)
+            weight = tl.exp2(m_block - m_new)
+            p = tl.exp2(score - m_block[:, None])
+            s = s * alpha + tl.sum(p, 1) * weight
+            v_scale = tl.load(VS + page[None, :] * stride_vsp + row[None, :] * stride_vst + row_heads[:, None] * stride_vsh,
+                              mask=live[None, :], other=0.0)
+            v_max = tl.max(v_scale, 1)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            weight = weight * v_max
+            p = (p * (v_scale / v_max[:, None])).to(tl.float16)
+            v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
+            if ASM:
+                pv_even = tl.dot(p, v_even)
+                pv_odd = tl.dot(p, v_odd)
+            else:
+                pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
+                pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
+            acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
+            acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+            m = m_new
+        if SINGLE:
+            o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * word_d[None, :]
+            tl.store(o_ptr, (acc_even / s[:, None]).to(OUT.dtype.element_ty), mask=own)
+            tl.store(o_ptr + 1, (acc_odd / s[:, None]).to(OUT.dtype.element_ty), mask=own)
+        else:
+            o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * word_d[None, :]
+            tl.store(o_ptr, acc_even / s[:, None], mask=own)
+            tl.store(o_ptr + 1, acc_odd / s[:, None], mask=own)
+            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+            if FUSED:
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvg, heads, mask_h, tokens_per_split,
+                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                               BLOCK_H, HEAD_DIM)
 
 
 @triton.jit
@@ -465,7 +631,7 @@ def _dot_terms(a, b_hi, b_mid, b_lo, acc, TERMS: tl.constexpr, DOT_F32: tl.const
 
 @triton.jit
 def _decode_split_mma(
-    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT,
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
     tokens_per_split,
     stride_qb, stride_qh,
@@ -487,6 +653,7 @@ def _decode_split_mma(
     DOT_F32: tl.constexpr,
     SINGLE: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages with both dots on fp8 tensor cores, transposed: the pages' tile
     is the dots' first operand (BLOCK_N tokens or HEAD_DIM rows, enough for a warpgroup's MMA)
@@ -673,11 +840,13 @@ def _word_views(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Ten
         return None
 
 
-def wave_slots(device: torch.device | None = None) -> int:
-    """Programs of the default configs that run at once on `device` (its SMs x PROGRAMS_PER_SM)."""
+def wave_slots(device: torch.device | None = None, per_sm: int | None = None) -> int:
+    """Programs that run at once on `device`: its SMs x `per_sm` (default PROGRAMS_PER_SM, what
+    the default configs' registers and shared memory allow)."""
+    per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
     if device is None or device.type != "cuda":
-        return DEFAULT_SMS * PROGRAMS_PER_SM
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
+        return DEFAULT_SMS * per_sm
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
 
 
 @functools.lru_cache(maxsize=None)
@@ -741,6 +910,9 @@ def paged_decode_attention(
     num_stages: int | None = None,
     fp8_dot: str | None = None,
     page_ahead: bool | None = None,
+    merge: str | None = None,
+    kv_per_program: int | None = None,
+    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -760,7 +932,14 @@ def paged_decode_attention(
     (see _decode_split's F16), "mma" (both dots on fp8 tensor cores with the pages as they are,
     the query and the probabilities as sums of e4m3 terms: bf16's precision; see _decode_split_mma).
     block_n: KV tokens a program reads per step. page_ahead: load the page table's entries for
-    the next step one step early (see _next_block). block_n, num_warps, num_stages, fp8_dot and
+    the next step one step early (see _next_block). merge: how splits are merged, "kernel" (a
+    second launch) or "fused" (the last split program of each sequence and kv head merges, see
+    _merge_if_last; costs a zeroed int32 counter per (sequence, kv head); fp8_dot="mma" always
+    takes "kernel"). kv_per_program: kv heads one program reads under fp8_dot="pairs" (a power of
+    two dividing the kv heads; default 1): their query heads stacked as rows, see
+    _decode_split_pairs_kv; other paths read one. programs_per_sm: programs of this kernel
+    configuration resident on one SM, the split plan's wave (default: the dtype's DEFAULT_CONFIGS
+    entry where it names one, else PROGRAMS_PER_SM). block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
@@ -773,6 +952,15 @@ def paged_decode_attention(
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
     fp8_dot = defaults.get("fp8_dot", "pairs") if fp8_dot is None else fp8_dot
     page_ahead = defaults["page_ahead"] if page_ahead is None else bool(page_ahead)
+    merge = defaults.get("merge", "kernel") if merge is None else merge
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    per_sm = defaults.get("programs_per_sm", PROGRAMS_PER_SM) if programs_per_sm is None else programs_per_sm
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"programs_per_sm must be an int >= 1, got {programs_per_sm!r}")
+    kvp = defaults.get("kv_per_program", 1) if kv_per_program is None else kv_per_program
+    if isinstance(kvp, bool) or not isinstance(kvp, int) or kvp < 1 or kvp & (kvp - 1) or heads % kvp:
+        raise ValueError(f"kv_per_program must be a power of two dividing the kv heads ({heads}), got {kv_per_program!r}")
     if block_n < MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     if fp8_dot not in FP8_DOTS:
@@ -789,28 +977,35 @@ def paged_decode_attention(
     if batch == 0:
         return out
     max_tokens = page_table.shape[1] * page_size
-    splits, per_split = split_plan(batch, heads, max_tokens, block_n, num_splits, wave_slots(q.device))
+    fp8 = FP8_KINDS.get(k_pages.dtype, 0)
+    words = _word_views(k_pages, v_pages) if fp8 and fp8_dot.startswith("pairs") and head_dim >= 2 * MIN_DOT else None
+    if words is None or fp8_dot != "pairs":
+        kvp = 1
+    groups = heads // kvp  # programs per sequence and split
+    splits, per_split = split_plan(batch, groups, max_tokens, block_n, num_splits, wave_slots(q.device, per_sm))
     single = splits == 1
     mid_shape = (1, 1, 1) if single else (batch, q_heads, splits)
     mid_o = torch.empty((*mid_shape, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     scaled = scale != "none"
-    fp8 = FP8_KINDS.get(k_pages.dtype, 0)
     ks_arg = k_scales if scaled else mid_lse
     vs_arg = v_scales if scaled else mid_lse
     ks_strides = _scale_strides(k_scales, scale, layout) if scaled else (0, 0, 0)
     vs_strides = _scale_strides(v_scales, scale, layout) if scaled else (0, 0, 0)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    pairs = fp8_dot.startswith("pairs")
-    words = _word_views(k_pages, v_pages) if fp8 and pairs and head_dim >= 2 * MIN_DOT else None
     if words is not None:
         k_arg, v_arg = words
     elif fp8:
         k_arg, v_arg = k_pages.view(torch.uint8), v_pages.view(torch.uint8)
     else:
         k_arg, v_arg = k_pages, v_pages
-    if words is not None:
+    fused = not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None)
+    cnt = torch.zeros((batch, groups), dtype=torch.int32, device=q.device) if fused else mid_lse
+    if words is not None and kvp > 1:
+        kernel = _decode_split_pairs_kv
+        flags = dict(FP8=fp8, ASM=not INTERPRETED, KVP=kvp)
+    elif words is not None:
         kernel = _decode_split_pairs
         flags = dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
     elif fp8 and fp8_dot == "mma":
@@ -819,8 +1014,8 @@ def paged_decode_attention(
     else:
         kernel = _decode_split
         flags = dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
-    kernel[(batch, heads, splits)](
-        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out,
+    kernel[(batch, groups, splits)](
+        q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out, cnt,
         sm_scale * LOG2E,
         per_split,
         q.stride(0), q.stride(1),
@@ -833,17 +1028,18 @@ def paged_decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group,
-        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)),
+        BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group * kvp)),
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         SINGLE=single,
         PAGE_AHEAD=page_ahead,
+        FUSED=fused,
         **flags,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if single:
+    if single or fused:
         return out
     _merge_splits[(batch, q_heads)](
         mid_o, mid_lse, seq_lens, out,

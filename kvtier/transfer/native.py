@@ -1,10 +1,23 @@
-"""Run-time compiled CUDA kernels: the native/*.cu sources built by NVRTC, cached on disk.
+"""CUDA kernels of native/*.cu: shipped prebuilt, else built by NVRTC and cached on disk.
 
-Owns finding the kernel sources, compiling each module once per GPU architecture with the
-options that keep the fp8 conversions bit-exact (IEEE division, no flush to zero, no fused
-multiply-add), keeping the compiled cubin in kvtier.transfer.kernel_cache so that later
-processes load it in milliseconds instead of compiling for seconds, loading it into the
-device's primary context (the one torch uses) and handing out kernel function handles.
+Owns finding the kernel sources, finding a module's cubin (prebuilt in the package, then the
+on-disk cache, then an NVRTC compile with the options that keep the fp8 conversions bit-exact:
+IEEE division, no flush to zero, no fused multiply-add), keeping a compiled cubin in
+kvtier.transfer.kernel_cache so that later processes load it in milliseconds instead of
+compiling for seconds, loading it into the device's primary context (the one torch uses) and
+handing out kernel function handles.
+
+Prebuilt cubins (kvtier/native/prebuilt/, built by scripts/build_prebuilt_cubins.py with
+NVRTC PREBUILT_NVRTC, compressed) cover PREBUILT_ARCHS, so a fresh machine with one of those
+GPUs never runs NVRTC. A file's name holds the sha256 of the source text, the options, the
+architecture and PREBUILT_NVRTC, so editing a .cu (or an option) leaves no file under the new
+name and the module is compiled as before until the set is rebuilt (tests/test_prebuilt_cubins.py
+fails in CI meanwhile). They are tried first, before the disk cache: the name does not depend
+on torch's or cuda-bindings' versions (a cubin's validity depends only on the GPU architecture
+and the driver), so an upgrade of either keeps them, and reading one writes nothing. A cubin
+built by NVRTC 13.0 loads on any driver of CUDA 13.0 or later (CUDA's minor version
+compatibility holds for cubins, not for PTX); with an older driver, KVTIER_PREBUILT_KERNELS=off,
+a missing, torn or corrupt file, or a failed load, the module comes from the cache or NVRTC.
 It must never launch a kernel, allocate device memory or decide which kernel runs:
 kvtier.transfer.cuda does.
 
@@ -19,8 +32,11 @@ editable, or a checkout on PYTHONPATH.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
+import warnings
+import zlib
 from importlib import resources
 
 from kvtier.transfer import kernel_cache
@@ -30,15 +46,32 @@ COMPILE_OPTIONS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad
 MODULES = ("page_copy", "page_convert")
 INCLUDE = re.compile(r'^#include "(\w+\.cu)"$')
 
+PREBUILT_DIR = NATIVE_DIR / "prebuilt"
+# The NVRTC (major, minor) that builds the prebuilt set; drivers of this CUDA version or later load it.
+PREBUILT_NVRTC = (13, 0)
+# Ada (L4, L40, RTX 40), Hopper (H100, H200), Blackwell (B200, RTX 50); page_convert.cu's fp8
+# conversions need sm_89 or later, so Ampere has no set (NVRTC cannot build it there either).
+PREBUILT_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")
+PREBUILT_ENV = "KVTIER_PREBUILT_KERNELS"
+PREBUILT_SUFFIX = ".cubin.z"
+EM_CUDA = 190
+
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], object] = {}
 _functions: dict[tuple[int, str, str], int] = {}
 _cache: list[kernel_cache.KernelCache] = []
+# Where each loaded module's cubin came from: "prebuilt", "cache" or "nvrtc", keyed (device index, module).
+loaded_from: dict[tuple[int, str], str] = {}
+_warned: set[str] = set()
+_prebuilt_read: dict[str, bytes] = {}  # decoded prebuilt images by file name, until loaded
 
 
 def kernels_available(device_index: int = 0) -> bool:
-    """True when cuda.bindings imports, a CUDA device is visible, and native/ is either in the
-    kernel cache for device `device_index` or NVRTC's library loads to compile it."""
+    """True when cuda.bindings imports, a CUDA device is visible, and native/ is either loaded
+    already, prebuilt for device `device_index` (and its driver takes them), in the kernel cache
+    for it, or NVRTC's library loads to compile it."""
+    if all((device_index, module) in _modules for module in MODULES):
+        return True
     try:
         from cuda.bindings import driver
     except ImportError:
@@ -55,6 +88,8 @@ def kernels_available(device_index: int = 0) -> bool:
     import torch
 
     capability = torch.cuda.get_device_capability(device_index)
+    if _driver_takes_prebuilt(driver) and all(read_prebuilt(module, _arch(capability)) is not None for module in MODULES):
+        return True
     if all(cache().read(entry_key(module, capability)) is not None for module in MODULES):
         return True
     return _nvrtc_loads()
@@ -83,6 +118,102 @@ def entry_key(module: str, capability: tuple[int, int]) -> str:
 
     toolchain = f"cuda {torch.version.cuda}; cuda-bindings {cuda.bindings.__version__}"
     return kernel_cache.entry_key(source(module), COMPILE_OPTIONS, f"sm_{capability[0]}{capability[1]}", toolchain)
+
+
+def _arch(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def prebuilt_toolchain() -> str:
+    major, minor = PREBUILT_NVRTC
+    return f"prebuilt; nvrtc {major}.{minor}"
+
+
+def prebuilt_name(module: str, arch: str) -> str:
+    """The file name of native/<module>'s prebuilt cubin for `arch`, from the current sources.
+
+    The key is kernel_cache.entry_key of the source text, the options, the architecture and
+    the NVRTC version that builds the set; torch's and cuda-bindings' versions are left out
+    (they do not change what a cubin is nor where it loads)."""
+    key = kernel_cache.entry_key(source(module), COMPILE_OPTIONS, arch, prebuilt_toolchain())
+    return f"{module}.{arch}.{key}{PREBUILT_SUFFIX}"
+
+
+def encode_prebuilt(cubin: bytes) -> bytes:
+    """A prebuilt file's bytes: the disk cache's header (magic, sha256) over the zlib-compressed cubin."""
+    return kernel_cache.encode(zlib.compress(cubin, 9))
+
+
+def decode_prebuilt(data: bytes, arch: str | None = None) -> bytes | None:
+    """The cubin in a prebuilt file's bytes, or None where they are torn, corrupt, not a CUDA
+    ELF image, or (given `arch`) built for another architecture."""
+    packed = kernel_cache.decode(data)
+    if packed is None:
+        return None
+    try:
+        cubin = zlib.decompress(packed)
+    except zlib.error:
+        return None
+    found = cubin_arch(cubin)
+    if found is None or (arch is not None and found != arch):
+        return None
+    return cubin
+
+
+def cubin_arch(image: bytes) -> str | None:
+    """"sm_XY" of a CUDA ELF image (cubin), or None where `image` is not one.
+
+    64-bit little-endian ELF, machine EM_CUDA; the architecture is bits 8-15 of e_flags from
+    ELF ABI version 8 on (what NVRTC 13 writes), bits 0-7 before."""
+    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
+        return None
+    if int.from_bytes(image[18:20], "little") != EM_CUDA:
+        return None
+    flags = int.from_bytes(image[48:52], "little")
+    number = (flags >> 8) & 0xFF if image[8] >= 8 else flags & 0xFF
+    return f"sm_{number}" if number else None
+
+
+def prebuilt_enabled() -> bool:
+    return os.environ.get(PREBUILT_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def read_prebuilt(module: str, arch: str, directory=None) -> bytes | None:
+    """The shipped cubin of native/<module> for `arch` built from the current source, or None
+    (turned off, not shipped for this architecture or this source, or a torn or corrupt file)."""
+    if not prebuilt_enabled() or module not in MODULES:
+        return None
+    name = prebuilt_name(module, arch)
+    if directory is None and name in _prebuilt_read:
+        return _prebuilt_read[name]
+    path = (PREBUILT_DIR if directory is None else directory) / name
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    cubin = decode_prebuilt(data, arch)
+    if cubin is None:
+        _warn_once(f"corrupt {path}", f"kvtier's prebuilt kernel {path} is damaged; compiling {module}.cu instead")
+    elif directory is None:
+        # kernels_available() reads them first; the load that follows takes the image from here.
+        _prebuilt_read[name] = cubin
+    return cubin
+
+
+def _driver_takes_prebuilt(driver) -> bool:
+    """True when the driver is of CUDA PREBUILT_NVRTC or later (cuInit done)."""
+    try:
+        error, version = driver.cuDriverGetVersion()
+    except Exception:  # noqa: BLE001 - no libcuda
+        return False
+    major, minor = PREBUILT_NVRTC
+    return error == driver.CUresult.CUDA_SUCCESS and version >= major * 1000 + minor * 10
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def cache() -> kernel_cache.KernelCache:
@@ -181,13 +312,13 @@ def _driver_check(driver, result, what: str):
 
 
 def _load(device_index: int, module: str):
-    """native/<module> loaded into the primary context of device `device_index` (compiled or from the cache)."""
+    """native/<module> loaded into the primary context of device `device_index`: its prebuilt
+    cubin where one is shipped for this GPU and loads, else from the disk cache or NVRTC."""
     import numpy as np
     import torch
     from cuda.bindings import driver
 
     capability = torch.cuda.get_device_capability(device_index)
-    image = cache().get(entry_key(module, capability), lambda: _compile_for(module, capability))
     _driver_check(driver, driver.cuInit(0), "cuInit")
     device = _driver_check(driver, driver.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
     # The primary context is the one torch's runtime calls use, so handles loaded here launch on
@@ -195,6 +326,19 @@ def _load(device_index: int, module: str):
     context = _driver_check(driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
     _driver_check(driver, driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
     try:
+        image = read_prebuilt(module, _arch(capability)) if _driver_takes_prebuilt(driver) else None
+        if image is not None:
+            buffer = np.frombuffer(image, dtype=np.uint8)
+            error, loaded = driver.cuModuleLoadData(buffer.ctypes.data)
+            if error == driver.CUresult.CUDA_SUCCESS:
+                loaded_from[(device_index, module)] = "prebuilt"
+                _prebuilt_read.pop(prebuilt_name(module, _arch(capability)), None)
+                return loaded
+            _warn_once(f"load {module}", f"kvtier's prebuilt {module} cubin did not load ({error.name}); compiling it instead")
+        kernels = cache()
+        compiles = kernels.compiles
+        image = kernels.get(entry_key(module, capability), lambda: _compile_for(module, capability))
+        loaded_from[(device_index, module)] = "nvrtc" if kernels.compiles > compiles else "cache"
         buffer = np.frombuffer(image, dtype=np.uint8)
         return _driver_check(driver, driver.cuModuleLoadData(buffer.ctypes.data), f"cuModuleLoadData of {module} (sm_{capability[0]}{capability[1]})")
     finally:

@@ -14,6 +14,10 @@ It must never convert dtypes or choose which pages move.
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
+
 import numpy as np
 
 from kvtier.format import PageFormat
@@ -23,6 +27,25 @@ from kvtier.transfer.cuda import plans
 # crossover at 128 KiB on GB300, GB10 and an RTX PRO GPU (cudf pull request #23675). Not yet
 # measured on the H200: the bandwidth benchmark's copy_engine rows are where to check it.
 PREFER_OVERLAP_MAX_COPY = 128 * 1024
+
+
+def batch_memcpy_available() -> bool:
+    """Whether batch_memcpy_runtime() would return the runtime, found without importing it where
+    it is not imported yet: cuda-bindings 12.8 or later (the first with cudaMemcpyBatchAsync) with
+    a runtime module. Importing cuda.bindings.runtime loads libcudart through cuda.pathfinder,
+    0.1 s of a fresh process on a 2-core VM that a first pool on the kernel path need not pay."""
+    if "cuda.bindings.runtime" in sys.modules:
+        return batch_memcpy_runtime() is not None
+    try:
+        import cuda.bindings
+    except ImportError:
+        return False
+    version = tuple(int(part) for part in re.findall(r"\d+", getattr(cuda.bindings, "__version__", ""))[:2])
+    try:
+        found = importlib.util.find_spec("cuda.bindings.runtime") is not None
+    except (ImportError, ValueError):
+        found = False
+    return version >= (12, 8) and found
 
 
 def batch_memcpy_runtime():

@@ -55,7 +55,7 @@ from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import native
 from kvtier.transfer.cuda import driver as cuda_driver
 from kvtier.transfer.cuda import path_choice, plans
-from kvtier.transfer.cuda.copy_engine_path import CopyEnginePath, batch_memcpy_runtime
+from kvtier.transfer.cuda.copy_engine_path import CopyEnginePath, batch_memcpy_available, batch_memcpy_runtime
 from kvtier.transfer.cuda.kernel_path import KernelPath
 from kvtier.transfer.cuda.path_choice import PATHS
 from kvtier.transfer.cuda.plans import THREADS
@@ -131,12 +131,15 @@ class CudaEngine(TransferEngine):
         self.staging_stream = torch.cuda.Stream(self.device, priority=-1)
         self.has_kernels = native.kernels_available(index)
         self.driver = cuda_driver.Driver(self.device) if cuda_driver.available() else None
-        self._runtime = batch_memcpy_runtime()
+        # The copy engines' runtime is imported at their first use (path_choice only needs to know
+        # they can run): a first pool on the kernel path does without the import.
+        self._runtime = None
+        self._copy_engine: CopyEnginePath | None = None
+        self._copy_engine_possible = batch_memcpy_available()
         self.records = self._host_pointer()
         self.table = plans.device_table(device_tier)
         self._table_device = torch.from_numpy(self.table).to(self.device)
         self.torch_path = TorchPath(device_tier, host_tier, self.device)
-        self.copy_engine = CopyEnginePath(fmt, self.table, self.records, self._runtime) if self._runtime else None
         self.kernels = None
         self.offload_lane = self.reload_lane = self.device_lane = None
         if self.has_kernels and self.driver is not None:
@@ -151,7 +154,18 @@ class CudaEngine(TransferEngine):
         self._free_events: list = []
         self._retired: collections.deque = collections.deque()
         self.last_path: str | None = None
-        self._abilities = path_choice.Abilities(self.kernels is not None, self.copy_engine is not None, self.capability)
+        self._abilities = path_choice.Abilities(self.kernels is not None, self._copy_engine_possible, self.capability)
+
+    @property
+    def copy_engine(self) -> CopyEnginePath | None:
+        """The copy-engine path (None where cuda-bindings cannot run it), built at first use."""
+        if self._copy_engine is None and self._copy_engine_possible:
+            runtime = batch_memcpy_runtime()
+            if runtime is None:
+                raise RuntimeError("cuda.bindings.runtime lacks cudaMemcpyBatchAsync (cuda-bindings >= 12.8 needed)")
+            self._runtime = runtime
+            self._copy_engine = CopyEnginePath(self.fmt, self.table, self.records, runtime)
+        return self._copy_engine
 
     @property
     def last_launch(self):
