@@ -14,8 +14,8 @@ A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry)
 
 from __future__ import annotations
 
+import collections
 import itertools
-import operator
 from array import array
 from collections.abc import Iterator
 
@@ -42,7 +42,6 @@ class KeyTable:
         self._mask = buckets - 1
         self._buckets = array("i", [_EMPTY]) * buckets
         self._ids = bytearray(_W * capacity)
-        self._view = memoryview(self._ids)
         self._bucket_of = array("i", [_EMPTY]) * capacity  # -1: the slot holds no key
         self._home = array("i", [0]) * capacity
         self._len = 0
@@ -57,14 +56,14 @@ class KeyTable:
 
     def get(self, kid: bytes) -> int:
         """The slot holding `kid`, or -1."""
-        buckets, view, mask = self._buckets, self._view, self._mask
+        buckets, ids, mask = self._buckets, self._ids, self._mask
         b = hash(kid) & mask
         while True:
             slot = buckets[b]
             if slot == _EMPTY:
                 return -1
-            at = slot * _W
-            if view[at : at + _W] == kid:
+            # The 16 bytes at the slot's offset, compared in place (no slice object).
+            if ids.startswith(kid, slot * _W) and len(kid) == _W:
                 return slot
             b = (b + 1) & mask
 
@@ -110,15 +109,14 @@ class KeyTable:
         """Map `kid` to `slot`. The slot must hold no key, and `kid` must not be mapped."""
         if self._bucket_of[slot] != _EMPTY:
             raise ValueError(f"slot {slot} already holds key id {self.id_of(slot).hex()}")
-        buckets, view, mask = self._buckets, self._view, self._mask
+        buckets, ids, mask = self._buckets, self._ids, self._mask
         home = hash(kid) & mask
         b = home
         while True:
             other = buckets[b]
             if other == _EMPTY:
                 break
-            at = other * _W
-            if view[at : at + _W] == kid:
+            if ids.startswith(kid, other * _W) and len(kid) == _W:
                 raise ValueError(f"key id {kid.hex()} is already in slot {other}")
             b = (b + 1) & mask
         buckets[b] = slot
@@ -244,6 +242,8 @@ class DictKeyTable:
         self.capacity = capacity
         self._map = _SlotsByKey()
         self._ids: list[bytes | None] = [None] * capacity
+        self._keyed = bytearray(capacity)  # 1 where the slot holds a key, for the numpy batch checks
+        self._np_keyed = np.frombuffer(self._keyed, dtype=np.uint8)
         self.get = self._map.__getitem__  # kid -> slot or -1
 
     def get_many(self, kids: list[bytes]) -> list[int]:
@@ -269,20 +269,27 @@ class DictKeyTable:
             raise ValueError(f"key id {kid.hex()} is already in slot {other}")
         self._map[kid] = slot
         self._ids[slot] = kid
+        self._keyed[slot] = 1
 
     def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
         """`bind` of each id to its slot (distinct slots); nothing changes when one cannot be bound."""
-        ids = self._ids
+        ids, table = self._ids, self._map
         if any(map(ids.__getitem__, slots)):
             taken = next(slot for slot in slots if ids[slot] is not None)
             raise ValueError(f"slot {taken} already holds key id {ids[taken].hex()}")
-        if not self._map.keys().isdisjoint(kids) or len(set(kids)) != len(kids):
-            mapped = self._map.keys() & kids
-            kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
-            raise ValueError(f"key id {kid.hex()} is already in slot {self._map.get(kid, slots[kids.index(kid)])}")
-        self._map.update(zip(kids, slots))
-        for slot, kid in zip(slots, kids):
-            ids[slot] = kid
+        before = len(table)
+        if table.keys().isdisjoint(kids):
+            table.update(zip(kids, slots))
+            if len(table) == before + len(kids):  # no id repeats within the batch either
+                collections.deque(map(ids.__setitem__, slots, kids), maxlen=0)  # the scatter, in C
+                keyed = self._keyed
+                collections.deque(map(keyed.__setitem__, slots, itertools.repeat(1)), maxlen=0)
+                return
+            for kid in kids:  # a repeated id: take the batch back out, then name it
+                table.pop(kid, None)
+        mapped = table.keys() & kids
+        kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
+        raise ValueError(f"key id {kid.hex()} is already in slot {table.get(kid, slots[kids.index(kid)])}")
 
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""
@@ -290,6 +297,7 @@ class DictKeyTable:
         if kid is not None:
             del self._map[kid]
             self._ids[slot] = None
+            self._keyed[slot] = 0
 
     def id_of(self, slot: int) -> bytes:
         kid = self._ids[slot]
@@ -309,5 +317,4 @@ class DictKeyTable:
 
     def keyed(self, slots: np.ndarray) -> np.ndarray:
         """`holds_key` of each slot of an int64 array, as a bool array."""
-        return np.fromiter(map(operator.is_not, map(self._ids.__getitem__, slots.tolist()), itertools.repeat(None)),
-                           dtype=bool, count=slots.size)
+        return self._np_keyed[slots] != 0

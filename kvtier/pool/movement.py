@@ -11,7 +11,10 @@ engine and the remote link do).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
+import operator
 from typing import TYPE_CHECKING
 
 from kvtier.index import PageState
@@ -23,6 +26,17 @@ S = PageState
 log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever file speaks
 # States whose bytes are readable in place (a page being offloaded is still whole where it was).
 _READABLE = [s in (S.RESIDENT, S.DIRTY, S.OFFLOADING) for s in PageState]
+
+
+def unland(landing: dict, slots: list[int], ticket) -> None:
+    """Forget the slots whose landing copy is `ticket` (a later copy's stay): in C when every
+    one is still this copy's, the common case."""
+    if all(map(operator.is_, map(landing.get, slots), itertools.repeat(ticket))):
+        collections.deque(map(landing.pop, slots, itertools.repeat(None)), maxlen=0)
+        return
+    for slot in slots:
+        if landing.get(slot) is ticket:
+            del landing[slot]
 
 
 class Movement:
@@ -165,9 +179,7 @@ class Movement:
             dev.set_states(landing, S.RESIDENT, busy_delta=-1)
             dev.unhold_all(private)
             host.unhold_all(host_slots)
-            for slot in landing:
-                if self._dev_landing.get(slot) is ticket:
-                    del self._dev_landing[slot]
+            unland(self._dev_landing, landing, ticket)
             self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
 
         self._submit(ticket, finish)
