@@ -14,7 +14,6 @@ A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry)
 
 from __future__ import annotations
 
-import collections
 import itertools
 from array import array
 from collections.abc import Iterator
@@ -71,31 +70,61 @@ class KeyTable:
         """`get` of each id, in order: the same probes, every id's step at once in numpy."""
         n = len(kids)
         if n < MANY:
-            get = self.get
-            return [get(kid) for kid in kids]
-        mask = self._mask
-        buckets, ids = self._np_buckets, self._np_ids
+            return self._get_each_inline(kids)
+        joined = b"".join(kids)
+        if len(joined) != _W * n or not self.capacity:
+            return self._get_each_inline(kids)
+        wanted = np.frombuffer(joined, dtype=np.uint64)
+        mask, buckets = self._mask, self._np_buckets
+        lo_of, hi_of = self._np_ids[:, 0], self._np_ids[:, 1]
+        want_lo = wanted[0::2]
         bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
-        wanted = np.frombuffer(b"".join(kids), dtype=np.uint64).reshape(n, 2)
-        want_lo, want_hi = wanted[:, 0], wanted[:, 1]
         out = np.full(n, _EMPTY, dtype=np.int64)
-        pending = np.arange(n)
-        # One probe step of every id still probing at a time; at most half the buckets are
-        # taken, so few ids take more than a step or two, and the last few go one by one.
+        # Every id's home bucket at once, comparing the low 8 bytes of the ids only (an empty
+        # bucket, -1, reads the last slot's id: `keyed` masks it); then one probe step of the
+        # ids still probing at a time (at most half the buckets are taken, so few take more than
+        # a step or two), the last few one by one.
+        slot = buckets[bucket]
+        keyed = slot >= 0
+        hit = (lo_of[slot] == want_lo) & keyed
+        out[hit] = slot[hit]
+        pending = np.flatnonzero(keyed & ~hit)
         while pending.size >= PROBE_TAIL:
-            slot = buckets[bucket]
+            at = (bucket[pending] + 1) & mask
+            bucket[pending] = at
+            slot = buckets[at]
             keyed = slot >= 0
-            at = ids[np.where(keyed, slot, 0)]
-            found = keyed & (at[:, 0] == want_lo) & (at[:, 1] == want_hi)
-            out[pending[found]] = slot[found]
-            go_on = keyed & ~found
-            pending, bucket = pending[go_on], (bucket[go_on] + 1) & mask
-            want_lo, want_hi = want_lo[go_on], want_hi[go_on]
+            hit = (lo_of[slot] == want_lo[pending]) & keyed
+            out[pending[hit]] = slot[hit]
+            pending = pending[keyed & ~hit]
         result = out.tolist()
         get = self.get
-        for i in pending.tolist():
+        # An id whose low half matched where its high half does not (two ids alike in their
+        # first 8 bytes) is looked up again in full, as are the ids still probing.
+        found = np.flatnonzero(out >= 0)
+        unsure = found[hi_of[out[found]] != wanted[1::2][found]]
+        for i in itertools.chain(pending.tolist(), unsure.tolist()):
             result[i] = get(kids[i])
         return result
+
+    def _get_each_inline(self, kids) -> list[int]:
+        """`get` of each id, the probe loop inline (a short batch: no call per id)."""
+        buckets, ids, mask = self._buckets, self._ids, self._mask
+        startswith = ids.startswith
+        out = []
+        append = out.append
+        for kid in kids:
+            b = hash(kid) & mask
+            while True:
+                slot = buckets[b]
+                if slot == _EMPTY:
+                    append(-1)
+                    break
+                if startswith(kid, slot * _W) and len(kid) == _W:
+                    append(slot)
+                    break
+                b = (b + 1) & mask
+        return out
 
     def get_each(self, kids: list[bytes]) -> Iterator[int]:
         """`get` of each id, in order, as they are read: one at a time below MANY ids (a caller
@@ -134,9 +163,37 @@ class KeyTable:
         `bind` would leave it. Otherwise one at a time (which raises on the first bad pair)."""
         n = len(kids)
         if n < MANY or not self._bind_many_numpy(kids, slots):
-            bind = self.bind
+            self._bind_each_inline(kids, slots)
+
+    def _bind_each_inline(self, kids, slots) -> None:
+        """`bind` of each pair in order, the probe loop inline (no call per id); the first bad
+        pair raises, as `bind` does, after the pairs before it are bound."""
+        buckets, ids, mask = self._buckets, self._ids, self._mask
+        bucket_of, home_of, startswith = self._bucket_of, self._home, ids.startswith
+        bound = 0
+        try:
             for kid, slot in zip(kids, slots):
-                bind(kid, slot)
+                if bucket_of[slot] != _EMPTY:
+                    self.bind(kid, slot)  # raises: the slot holds a key
+                if len(kid) != _W:
+                    raise ValueError(f"a key id is {_W} bytes, got {len(kid)}")
+                home = hash(kid) & mask
+                b = home
+                while True:
+                    other = buckets[b]
+                    if other == _EMPTY:
+                        break
+                    if startswith(kid, other * _W):
+                        self.bind(kid, slot)  # raises: the id is mapped
+                    b = (b + 1) & mask
+                buckets[b] = slot
+                at = slot * _W
+                ids[at : at + _W] = kid
+                bucket_of[slot] = b
+                home_of[slot] = home
+                bound += 1
+        finally:
+            self._len += bound
 
     def _bind_many_numpy(self, kids: list[bytes], slots) -> bool:
         n = len(kids)
@@ -281,9 +338,10 @@ class DictKeyTable:
         if table.keys().isdisjoint(kids):
             table.update(zip(kids, slots))
             if len(table) == before + len(kids):  # no id repeats within the batch either
-                collections.deque(map(ids.__setitem__, slots, kids), maxlen=0)  # the scatter, in C
                 keyed = self._keyed
-                collections.deque(map(keyed.__setitem__, slots, itertools.repeat(1)), maxlen=0)
+                for slot, kid in zip(slots, kids):  # (a loop stores faster than map over __setitem__)
+                    ids[slot] = kid
+                    keyed[slot] = 1
                 return
             for kid in kids:  # a repeated id: take the batch back out, then name it
                 table.pop(kid, None)

@@ -368,13 +368,10 @@ class TierIndex:
                 self.busy_slots += count
 
     def bind_all(self, slots: Sequence[int], kids: Sequence[bytes]) -> None:
-        """Key each slot (FILLING or LOADING, unkeyed) with its id."""
-        if len(slots) >= BULK:
+        """Key each slot (FILLING or LOADING, unkeyed) with its id: the table's batch bind at
+        any size (the dict's in C, the compact table's in numpy from MANY ids, else a loop)."""
+        if slots:
             self.table.bind_many(kids, slots)
-            return
-        bind = self.table.bind
-        for slot, kid in zip(slots, kids):
-            bind(kid, slot)
 
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:
@@ -483,6 +480,12 @@ class TierIndex:
 
     def touch_all(self, slots: list[int]) -> None:
         """`touch` of each slot, in order."""
+        at = self._unique_slots(slots)
+        if at is not None:
+            hits = self._np_hits
+            hits[at] = np.minimum(hits[at], _HITS_MAX - 1) + 1
+            self.policy.touch_many(slots)
+            return
         hits = self.hits
         for slot in slots:
             if hits[slot] < _HITS_MAX:

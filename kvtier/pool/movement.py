@@ -11,10 +11,7 @@ engine and the remote link do).
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
-import operator
 from typing import TYPE_CHECKING
 
 from kvtier.index import PageState
@@ -26,17 +23,6 @@ S = PageState
 log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever file speaks
 # States whose bytes are readable in place (a page being offloaded is still whole where it was).
 _READABLE = [s in (S.RESIDENT, S.DIRTY, S.OFFLOADING) for s in PageState]
-
-
-def unland(landing: dict, slots: list[int], ticket) -> None:
-    """Forget the slots whose landing copy is `ticket` (a later copy's stay): in C when every
-    one is still this copy's, the common case."""
-    if all(map(operator.is_, map(landing.get, slots), itertools.repeat(ticket))):
-        collections.deque(map(landing.pop, slots, itertools.repeat(None)), maxlen=0)
-        return
-    for slot in slots:
-        if landing.get(slot) is ticket:
-            del landing[slot]
 
 
 class Movement:
@@ -152,6 +138,8 @@ class Movement:
 
     def _copy_popular(self, dev_slots: list[int]) -> None:
         """write_through_selective: copy down the dirty pages that just reached enough hits."""
+        if not self.write_policy.copies_on_hit:
+            return
         dev = self._dev
         ready = [s for s in dev_slots if dev.state[s] == S.DIRTY and not dev.busy[s] and self.write_policy.copy_on_hit(dev.hits[s])]
         if ready:
@@ -179,7 +167,9 @@ class Movement:
             dev.set_states(landing, S.RESIDENT, busy_delta=-1)
             dev.unhold_all(private)
             host.unhold_all(host_slots)
-            unland(self._dev_landing, landing, ticket)
+            for slot in landing:
+                if self._dev_landing.get(slot) is ticket:
+                    del self._dev_landing[slot]
             self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
 
         self._submit(ticket, finish)
@@ -266,7 +256,7 @@ class Movement:
 
     def _backup_popular(self, host_slots: list[int]) -> None:
         """write_through_selective: back up the dirty host pages that just reached enough hits."""
-        if self._link is None:
+        if self._link is None or not self.write_policy.copies_on_hit:
             return
         host = self._host
         ready = [s for s in host_slots if host.state[s] == S.DIRTY and self.write_policy.copy_on_hit(host.hits[s])]

@@ -53,7 +53,7 @@ from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
 from kvtier.pool.checks import check_copy_path, check_copy_path_runs, check_count, check_host_size, check_positive, check_slots, check_unique
 from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
-from kvtier.pool.movement import _READABLE, Movement, unland
+from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.remote_link import RemoteLink
 from kvtier.pool.room import TierRoom
 from kvtier.pool.signal import ChangeSignal
@@ -561,7 +561,9 @@ class TieredPool(Movement, TierRoom):
             flags[1] = True
             dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1)
             host.unhold_all(srcs)
-            unland(landing, targets, ticket)
+            for slot in targets:
+                if landing.get(slot) is ticket:
+                    del landing[slot]
             self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
 
         return finish
