@@ -34,6 +34,7 @@ def _numpy_everywhere(monkeypatch) -> None:
     """Every batch, however short, takes the numpy path, and the pool's walks read every id
     past the first in chunks."""
     monkeypatch.setattr(key_table, "MANY", 1)
+    monkeypatch.setattr(key_table, "BIND_MANY", 1)
     monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
@@ -462,7 +463,7 @@ def test_get_many_tells_ids_apart_that_share_their_low_half(monkeypatch):
 
 @pytest.mark.parametrize("compact", [True, False])
 def test_bind_many_of_a_short_batch_keys_what_bind_keys_and_names_the_bad_pair(compact):
-    """Below MANY the compact table binds in one inline loop, the dict table in C: the same map
+    """Below BIND_MANY the compact table binds in one inline loop, the dict table in C: the same map
     as bind one at a time, with duplicates, taken slots and full tables refused."""
     rng = random.Random(7)
     capacity = 200

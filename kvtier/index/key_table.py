@@ -26,9 +26,15 @@ from kvtier.index.slot_list import first_of_each
 _EMPTY = -1
 _W = KEY_ID_BYTES
 # Batches at least this long are looked up with numpy (`get_many`): a probe step costs tens of
-# µs of numpy calls whatever the batch, a Python probe 0.3-1 µs a key (more as the batch's
-# buckets leave the CPU caches). Measured on a 2-core VM: even at 256-512 keys, 3-4x faster at 4096.
-MANY = 512
+# µs of numpy calls whatever the batch, a Python probe 0.4-1 µs a key (more as the batch's
+# buckets leave the CPU caches). Measured on a 2-core VM once the numpy probe compared only the
+# ids' low halves: 1.2-1.4x faster than the inline loop at 128 keys (tables of 64 Ki and 1 Mi
+# slots, a quarter to half full), 2-2.5x at 512; it was 512 while each step compared whole ids.
+MANY = 128
+# Batches at least this long are bound with numpy (`bind_many`): its checks and the probing
+# with a sort a step cost more than the inline loop below 512 ids (0.78 against 0.64 µs a key at
+# 256, 0.56 against 0.67 at 512).
+BIND_MANY = 512
 PROBE_TAIL = 64  # ids still probing after a numpy step, fewer than this: one by one
 
 
@@ -156,13 +162,13 @@ class KeyTable:
         self._len += 1
 
     def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
-        """`bind` of each id to its slot. From MANY ids, in numpy when the slots hold no key and
+        """`bind` of each id to its slot. From BIND_MANY ids, in numpy when the slots hold no key and
         are distinct and the ids are distinct and unmapped (checked before anything changes):
         every id still probing takes one step at a time, an empty bucket goes to the first id
         that reaches it, and the others probe on, so every id sits past only taken buckets, as
         `bind` would leave it. Otherwise one at a time (which raises on the first bad pair)."""
         n = len(kids)
-        if n < MANY or not self._bind_many_numpy(kids, slots):
+        if n < BIND_MANY or not self._bind_many_numpy(kids, slots):
             self._bind_each_inline(kids, slots)
 
     def _bind_each_inline(self, kids, slots) -> None:
