@@ -500,8 +500,9 @@ class TieredPool(Movement, TierRoom):
         pos, chunk = 0, _FIRST_CHUNK
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         while pos < len(ids):
-            end = min(pos + chunk, len(ids))
-            chunk = min(chunk * _CHUNK_GROWTH, largest)
+            end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
+            # After the first chunk, a tail shorter than half the next chunk rides with this one.
+            end = len(ids) if pos and len(ids) - end < chunk // 2 else min(end, len(ids))
             srcs = []
             dslots = dget_many(ids[pos:end])
             if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
