@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
+
+from kvtier.index import slot_list
 from kvtier.index.slot_list import SlotList
 
 
@@ -71,7 +74,12 @@ class LRUPolicy(SlotList, EvictionPolicy):
     remove_many = SlotList.discard_many
 
     def touch_many(self, slots: list[int]) -> None:
-        self.extend([slot for slot in slots if self._member[slot]])
+        if len(slots) >= slot_list.BULK:  # the listed ones picked in numpy
+            at = np.asarray(slots, dtype=np.int64)
+            self.extend(at[self._np_member[at] != 0].tolist())
+            return
+        member = self._member
+        self.extend([slot for slot in slots if member[slot]])
 
 
 POLICIES = {"lru": LRUPolicy}

@@ -132,6 +132,25 @@ class KeyTable:
                 b = (b + 1) & mask
         return out
 
+    def leading(self, kids) -> list[int]:
+        """The slots of the leading ids the table holds (up to the first miss), the probe loop
+        inline: a caller reads no further than the first miss, and pays no call per id."""
+        buckets, ids, mask = self._buckets, self._ids, self._mask
+        startswith = ids.startswith
+        out = []
+        append = out.append
+        for kid in kids:
+            b = hash(kid) & mask
+            while True:
+                slot = buckets[b]
+                if slot == _EMPTY:
+                    return out
+                if startswith(kid, slot * _W) and len(kid) == _W:
+                    append(slot)
+                    break
+                b = (b + 1) & mask
+        return out
+
     def get_each(self, kids: list[bytes]) -> Iterator[int]:
         """`get` of each id, in order, as they are read: one at a time below MANY ids (a caller
         that stops at the first miss pays for what it read), all at once in numpy from MANY."""
@@ -312,6 +331,17 @@ class DictKeyTable:
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order (a miss stays in C: dict.get with a default)."""
         return list(map(self._map.get, kids, itertools.repeat(-1)))
+
+    def leading(self, kids) -> list[int]:
+        """The slots of the leading ids the table holds (up to the first miss)."""
+        out = []
+        append, get = out.append, self._map.get
+        for kid in kids:
+            slot = get(kid)
+            if slot is None:
+                return out
+            append(slot)
+        return out
 
     def get_each(self, kids: list[bytes]) -> Iterator[int]:
         """`get` of each id, in order, as they are read."""
