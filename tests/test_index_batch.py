@@ -527,3 +527,28 @@ def test_touch_all_in_numpy_counts_what_the_loop_counts(monkeypatch):
         got.append((bytes(index.hits), index.victims(300)))
     assert got[0] == got[1]
     assert max(got[0][0]) == 255
+
+
+def test_bind_many_in_numpy_sends_a_repeated_slot_or_a_low_half_twin_to_the_loop(numpy_always):
+    """A slot twice in a batch, or an id whose low half matches a mapped id on its probe, leaves
+    the numpy bind before anything changes; the loop then binds what `bind` would."""
+    rng = random.Random(11)
+    table = KeyTable(64)
+    mask = table._mask
+    ids = [rng.randbytes(16) for _ in range(40)]
+    table.bind_many(ids[:20], list(range(20)))
+    before = (bytes(table._buckets), bytes(table._bucket_of), len(table))  # (unbinding leaves stale id bytes)
+    with pytest.raises(ValueError, match="slot 30 already holds"):
+        table.bind_many(ids[20:23], [30, 31, 30])
+    assert table.get(ids[20]) == 30 and table.get(ids[21]) == 31  # the loop's pairs before the bad one
+    table.unbind(30)
+    table.unbind(31)
+    assert (bytes(table._buckets), bytes(table._bucket_of), len(table)) == before
+    b = ids[0]
+    while True:  # an id alike in its low half with a mapped one, whose probe passes that one
+        twin = b[:8] + rng.randbytes(8)
+        if hash(twin) & mask == hash(b) & mask:
+            break
+    table.bind_many([twin] + ids[20:30], [40] + list(range(41, 51)))
+    assert table.get_many([twin, b] + ids[20:30]) == [40, 0] + list(range(41, 51))
+    assert [table.get(k) for k in [twin, b]] == [40, 0]

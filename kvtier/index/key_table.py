@@ -81,21 +81,33 @@ class KeyTable:
         if len(joined) != _W * n or not self.capacity:
             return self._get_each_inline(kids)
         wanted = np.frombuffer(joined, dtype=np.uint64)
-        mask, buckets = self._mask, self._np_buckets
-        lo_of, hi_of = self._np_ids[:, 0], self._np_ids[:, 1]
-        want_lo = wanted[0::2]
-        bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
-        out = np.full(n, _EMPTY, dtype=np.int64)
-        # Every id's home bucket at once, comparing the low 8 bytes of the ids only (an empty
-        # bucket, -1, reads the last slot's id: `keyed` masks it); then one probe step of the
-        # ids still probing at a time (at most half the buckets are taken, so few take more than
-        # a step or two), the last few one by one.
+        bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & self._mask
+        out, pending = self._probe(wanted[0::2], bucket, PROBE_TAIL)
+        result = out.tolist()
+        get = self.get
+        # An id whose low half matched where its high half does not (two ids alike in their
+        # first 8 bytes) is looked up again in full, as are the ids still probing.
+        found = np.flatnonzero(out >= 0)
+        unsure = found[self._np_ids[out[found], 1] != wanted[1::2][found]]
+        for i in itertools.chain(pending.tolist(), unsure.tolist()):
+            result[i] = get(kids[i])
+        return result
+
+    def _probe(self, want_lo: np.ndarray, bucket: np.ndarray, tail: int) -> tuple[np.ndarray, np.ndarray]:
+        """Probe every id from `bucket` (its home; updated in place to where its probe stopped)
+        comparing the low 8 bytes of ids only: (the slot where each id's low half matched, else
+        -1; the ids still probing once fewer than `tail` are). Every id's first bucket at once
+        (an empty bucket, -1, reads the last slot's id: `keyed` masks it), then one step of the
+        ids still probing at a time: at most half the buckets are taken, so few take more than
+        a step or two."""
+        mask, buckets, lo_of = self._mask, self._np_buckets, self._np_ids[:, 0]
+        out = np.full(want_lo.size, _EMPTY, dtype=np.int64)
         slot = buckets[bucket]
         keyed = slot >= 0
         hit = (lo_of[slot] == want_lo) & keyed
         out[hit] = slot[hit]
         pending = np.flatnonzero(keyed & ~hit)
-        while pending.size >= PROBE_TAIL:
+        while pending.size and pending.size >= tail:
             at = (bucket[pending] + 1) & mask
             bucket[pending] = at
             slot = buckets[at]
@@ -103,15 +115,7 @@ class KeyTable:
             hit = (lo_of[slot] == want_lo[pending]) & keyed
             out[pending[hit]] = slot[hit]
             pending = pending[keyed & ~hit]
-        result = out.tolist()
-        get = self.get
-        # An id whose low half matched where its high half does not (two ids alike in their
-        # first 8 bytes) is looked up again in full, as are the ids still probing.
-        found = np.flatnonzero(out >= 0)
-        unsure = found[hi_of[out[found]] != wanted[1::2][found]]
-        for i in itertools.chain(pending.tolist(), unsure.tolist()):
-            result[i] = get(kids[i])
-        return result
+        return out, pending
 
     def _get_each_inline(self, kids) -> list[int]:
         """`get` of each id, the probe loop inline (a short batch: no call per id)."""
@@ -223,22 +227,40 @@ class KeyTable:
     def _bind_many_numpy(self, kids: list[bytes], slots) -> bool:
         n = len(kids)
         at = np.asarray(slots, dtype=np.int64)
-        if at.shape != (n,) or (self._np_bucket_of[at] != _EMPTY).any():
+        bucket_of = self._np_bucket_of
+        if at.shape != (n,) or (bucket_of[at] != _EMPTY).any():
             return False
-        if first_of_each(at)[0].size != n or len(set(kids)) != n or max(self.get_many(kids)) >= 0:
+        # Distinct slots: each writes its own mark where its bucket goes (they hold no key) and
+        # reads it back; a repeated slot reads the mark of its last place at the first.
+        marks = -2 - np.arange(n, dtype=np.int32)
+        bucket_of[at] = marks
+        distinct = np.array_equal(bucket_of[at], marks)
+        bucket_of[at] = _EMPTY
+        joined = b"".join(kids)
+        if not distinct or len(joined) != _W * n or len(set(kids)) != n:
             return False
-        mask = self._mask
-        buckets = self._np_buckets
+        wanted = np.frombuffer(joined, dtype=np.uint64)
+        mask, buckets = self._mask, self._np_buckets
         home = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
-        self._np_ids[at] = np.frombuffer(b"".join(kids), dtype=np.uint64).reshape(n, 2)
+        # The lookup's probe: an id whose low half matches on the way may be mapped already
+        # (bind one at a time decides); every other id stopped at an empty bucket, past only
+        # taken ones, so it is not mapped, and is placed from there.
+        bucket = home.copy()
+        found, _ = self._probe(wanted[0::2], bucket, 1)
+        if (found >= 0).any():
+            return False
+        self._np_ids[at] = wanted.reshape(n, 2)
         self._np_home[at] = home
-        pending, bucket = np.arange(n), home
+        # Every id still to place takes one step at a time: an empty bucket goes to the first id
+        # that reaches it, the others probe on, so every id sits past only taken buckets, as
+        # `bind` would leave it.
+        pending = np.arange(n)
         while pending.size:
             empty = buckets[bucket] == _EMPTY
             taken, first = first_of_each(bucket[empty])
             winners = pending[empty][first]
             buckets[taken] = at[winners]
-            self._np_bucket_of[at[winners]] = taken
+            bucket_of[at[winners]] = taken
             placed = np.zeros(pending.size, dtype=bool)
             placed[np.flatnonzero(empty)[first]] = True
             pending, bucket = pending[~placed], (bucket[~placed] + 1) & mask
