@@ -32,9 +32,9 @@ _W = KEY_ID_BYTES
 # slots, a quarter to half full), 2-2.5x at 512; it was 512 while each step compared whole ids.
 MANY = 128
 # Batches at least this long are bound with numpy (`bind_many`): its checks and the probing
-# with a sort a step cost more than the inline loop below 512 ids (0.78 against 0.64 µs a key at
-# 256, 0.56 against 0.67 at 512).
-BIND_MANY = 512
+# with a sort a step cost as much as the inline loop at 128 ids (0.62 µs a key, 2-core VM, a
+# table of 256 Ki slots a third full), less from 256 (0.46 against 0.63; 0.36 against 0.62 at 512).
+BIND_MANY = 256
 PROBE_TAIL = 64  # ids still probing after a numpy step, fewer than this: one by one
 
 
