@@ -38,6 +38,10 @@ class EvictionPolicy(ABC):
         for slot in slots:
             self.add(slot)
 
+    def add_many_distinct(self, slots: np.ndarray) -> None:
+        """`add_many` of an int64 array of distinct slots."""
+        self.add_many(slots.tolist())
+
     def remove_many(self, slots: list[int]) -> None:
         """`remove` of each slot."""
         for slot in slots:
@@ -71,6 +75,7 @@ class LRUPolicy(SlotList, EvictionPolicy):
     touch = SlotList.move_to_end
     victims = SlotList.first
     add_many = SlotList.extend
+    add_many_distinct = SlotList.extend_distinct
     remove_many = SlotList.discard_many
 
     def touch_many(self, slots: list[int]) -> None:

@@ -101,7 +101,15 @@ class SlotList:
             for slot in slots:
                 append(slot)
             return
-        new = np.asarray(slots, dtype=np.int64)
+        self.extend_distinct(np.asarray(slots, dtype=np.int64))
+
+    def extend_distinct(self, new: np.ndarray) -> None:
+        """`extend` of an int64 array of slots the caller knows to be distinct (no check)."""
+        if new.size < BULK:
+            append = self.append
+            for slot in new.tolist():
+                append(slot)
+            return
         listed = new[self._np_member[new] != 0]
         if listed.size:
             self.discard_many(listed)

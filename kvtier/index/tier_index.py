@@ -279,7 +279,7 @@ class TierIndex:
             counts[st] -= n
         counts[new] += at.size
         if new == _DIRTY:
-            self.dirty.extend(at.tolist())  # moved to the end, in order, as the loop appends
+            self.dirty.extend_distinct(at)  # moved to the end, in order, as the loop appends
         else:
             was_dirty = at[old == _DIRTY]
             if was_dirty.size:
@@ -287,7 +287,7 @@ class TierIndex:
         if leaving.size:
             self.policy.remove_many(leaving)
         if joining.size:
-            self.policy.add_many(joining.tolist())
+            self.policy.add_many_distinct(joining)
         return True
 
     def _refresh(self, slot: int) -> None:
@@ -465,7 +465,7 @@ class TierIndex:
                 self.busy_slots -= int(idle.sum())
                 joining = at[idle & (self._np_pins[at] == 0) & _NP_EVICTABLE[self._np_state[at]]]
                 if joining.size:
-                    self.policy.add_many(joining.tolist())
+                    self.policy.add_many_distinct(joining)
                 return
         busy, pins, state = self.busy, self.pins, self.state
         adds = [] if len(slots) >= BULK else None
