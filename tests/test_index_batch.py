@@ -34,6 +34,7 @@ def _numpy_everywhere(monkeypatch) -> None:
     """Every batch, however short, takes the numpy path, and the pool's walks read every id
     past the first in chunks."""
     monkeypatch.setattr(key_table, "MANY", 1)
+    monkeypatch.setattr(key_table, "BIND_MANY", 1)
     monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
@@ -430,3 +431,124 @@ def test_the_id_cache_is_let_go_when_the_last_pool_closes():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr[-3000:]
+
+
+# --- batch paths of the tables and the index against their one-at-a-time paths ---------------
+def test_get_many_tells_ids_apart_that_share_their_low_half(monkeypatch):
+    """The numpy lookup compares the low 8 bytes of ids while probing: an id whose home bucket
+    holds another id with the same low half (made here by search) must still be told apart."""
+    monkeypatch.setattr(key_table, "MANY", 1)
+    monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
+    rng = random.Random(5)
+    capacity = 256
+    table = KeyTable(capacity)
+    mask = table._mask
+    asked, want = [], []
+    for slot in range(0, 120, 2):
+        b = rng.randbytes(16)
+        while True:  # a twin of b (same low half) that lands in b's home bucket
+            a = b[:8] + rng.randbytes(8)
+            if a != b and hash(a) & mask == hash(b) & mask:
+                break
+        table.bind(a, slot)
+        if slot % 4 == 0:  # half the time b is held too, one bucket on
+            table.bind(b, slot + 1)
+        asked += [b, a]
+        want += [slot + 1 if slot % 4 == 0 else -1, slot]
+    assert [table.get(k) for k in asked] == want
+    assert table.get_many(asked) == want
+    monkeypatch.setattr(key_table, "PROBE_TAIL", 64)  # the ids still probing go one by one
+    assert table.get_many(asked) == want
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_bind_many_of_a_short_batch_keys_what_bind_keys_and_names_the_bad_pair(compact):
+    """Below BIND_MANY the compact table binds in one inline loop, the dict table in C: the same map
+    as bind one at a time, with duplicates, taken slots and full tables refused."""
+    rng = random.Random(7)
+    capacity = 200
+    make = KeyTable if compact else DictKeyTable
+    one, batch = make(capacity), make(capacity)
+    ids = [os.urandom(16) for _ in range(capacity)]
+    slots = list(range(capacity))
+    rng.shuffle(slots)
+    for start in range(0, capacity, 40):  # five batches fill the table
+        part = slots[start : start + 40]
+        for slot in part:
+            one.bind(ids[slot], slot)
+        batch.bind_many([ids[s] for s in part], part)
+        assert batch.get_many(ids) == one.get_many(ids)
+        assert batch.keyed(np.arange(capacity)).tolist() == [one.holds_key(s) for s in range(capacity)]
+    assert len(batch) == capacity
+    batch.unbind(slots[0])
+    batch.unbind(slots[1])
+    free, other = slots[0], slots[1]
+    with pytest.raises(ValueError, match="already in slot"):  # an id mapped already
+        batch.bind_many([ids[slots[3]]], [free])
+    with pytest.raises(ValueError, match="already holds"):  # a slot that holds a key
+        batch.bind_many([ids[free]], [slots[2]])
+    fresh = os.urandom(16)
+    with pytest.raises(ValueError, match="already in slot"):  # an id twice in the batch
+        batch.bind_many([fresh, fresh], [free, other])
+    if not compact:  # the dict table refuses a batch before changing anything
+        assert batch.get(fresh) == -1 and not batch.holds_key(free)
+    else:  # one at a time: the pair before the bad one stays
+        assert batch.get(fresh) == free
+        batch.unbind(free)
+    assert not batch.holds_key(other) and len(batch) == capacity - 2
+    batch.bind_many([ids[free], ids[other]], [free, other])
+    assert batch.get_many(ids) == [one.get(k) for k in ids]
+    assert batch.keyed(np.arange(capacity)).all()
+
+
+def test_touch_all_in_numpy_counts_what_the_loop_counts(monkeypatch):
+    """Hit counts saturate at 255 and the eviction order moves the same way on both paths; a
+    batch with a repeated slot takes the loop (each touch counts)."""
+    rng = random.Random(9)
+    got = []
+    for bulk in (1, 10**9):
+        monkeypatch.setattr(tier_index, "BULK", bulk)
+        monkeypatch.setattr(slot_list, "BULK", bulk)
+        from kvtier.index import PageState
+        from kvtier.index.eviction import make_policy
+
+        index = tier_index.TierIndex("t", 300, make_policy("lru", 300))
+        slots = index.take_free(300, PageState.FILLING)
+        index.bind_all(slots, [os.urandom(16) for _ in slots])
+        index.set_states(slots, PageState.RESIDENT)
+        for s in slots[:50]:
+            index.hits[s] = 250
+        r = random.Random(3)
+        for _ in range(12):
+            batch = r.sample(slots, 200)
+            index.touch_all(batch)
+        index.touch_all([slots[5], slots[5], slots[6]])
+        index.check()
+        got.append((bytes(index.hits), index.victims(300)))
+    assert got[0] == got[1]
+    assert max(got[0][0]) == 255
+
+
+def test_bind_many_in_numpy_sends_a_repeated_slot_or_a_low_half_twin_to_the_loop(numpy_always):
+    """A slot twice in a batch, or an id whose low half matches a mapped id on its probe, leaves
+    the numpy bind before anything changes; the loop then binds what `bind` would."""
+    rng = random.Random(11)
+    table = KeyTable(64)
+    mask = table._mask
+    ids = [rng.randbytes(16) for _ in range(40)]
+    table.bind_many(ids[:20], list(range(20)))
+    before = (bytes(table._buckets), bytes(table._bucket_of), len(table))  # (unbinding leaves stale id bytes)
+    with pytest.raises(ValueError, match="slot 30 already holds"):
+        table.bind_many(ids[20:23], [30, 31, 30])
+    assert table.get(ids[20]) == 30 and table.get(ids[21]) == 31  # the loop's pairs before the bad one
+    table.unbind(30)
+    table.unbind(31)
+    assert (bytes(table._buckets), bytes(table._bucket_of), len(table)) == before
+    b = ids[0]
+    while True:  # an id alike in its low half with a mapped one, whose probe passes that one
+        twin = b[:8] + rng.randbytes(8)
+        if hash(twin) & mask == hash(b) & mask:
+            break
+    table.bind_many([twin] + ids[20:30], [40] + list(range(41, 51)))
+    assert table.get_many([twin, b] + ids[20:30]) == [40, 0] + list(range(41, 51))
+    assert [table.get(k) for k in [twin, b]] == [40, 0]

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
+
+from kvtier.index import slot_list
 from kvtier.index.slot_list import SlotList
 
 
@@ -34,6 +37,10 @@ class EvictionPolicy(ABC):
         """`add` of each slot, in order."""
         for slot in slots:
             self.add(slot)
+
+    def add_many_distinct(self, slots: np.ndarray) -> None:
+        """`add_many` of an int64 array of distinct slots."""
+        self.add_many(slots.tolist())
 
     def remove_many(self, slots: list[int]) -> None:
         """`remove` of each slot."""
@@ -68,10 +75,16 @@ class LRUPolicy(SlotList, EvictionPolicy):
     touch = SlotList.move_to_end
     victims = SlotList.first
     add_many = SlotList.extend
+    add_many_distinct = SlotList.extend_distinct
     remove_many = SlotList.discard_many
 
     def touch_many(self, slots: list[int]) -> None:
-        self.extend([slot for slot in slots if self._member[slot]])
+        if len(slots) >= slot_list.BULK:  # the listed ones picked in numpy
+            at = np.asarray(slots, dtype=np.int64)
+            self.extend(at[self._np_member[at] != 0].tolist())
+            return
+        member = self._member
+        self.extend([slot for slot in slots if member[slot]])
 
 
 POLICIES = {"lru": LRUPolicy}

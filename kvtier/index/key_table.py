@@ -15,7 +15,6 @@ A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry)
 from __future__ import annotations
 
 import itertools
-import operator
 from array import array
 from collections.abc import Iterator
 
@@ -27,9 +26,15 @@ from kvtier.index.slot_list import first_of_each
 _EMPTY = -1
 _W = KEY_ID_BYTES
 # Batches at least this long are looked up with numpy (`get_many`): a probe step costs tens of
-# µs of numpy calls whatever the batch, a Python probe 0.3-1 µs a key (more as the batch's
-# buckets leave the CPU caches). Measured on a 2-core VM: even at 256-512 keys, 3-4x faster at 4096.
-MANY = 512
+# µs of numpy calls whatever the batch, a Python probe 0.4-1 µs a key (more as the batch's
+# buckets leave the CPU caches). Measured on a 2-core VM once the numpy probe compared only the
+# ids' low halves: 1.2-1.4x faster than the inline loop at 128 keys (tables of 64 Ki and 1 Mi
+# slots, a quarter to half full), 2-2.5x at 512; it was 512 while each step compared whole ids.
+MANY = 128
+# Batches at least this long are bound with numpy (`bind_many`): its checks and the probing
+# with a sort a step cost as much as the inline loop at 128 ids (0.62 µs a key, 2-core VM, a
+# table of 256 Ki slots a third full), less from 256 (0.46 against 0.63; 0.36 against 0.62 at 512).
+BIND_MANY = 256
 PROBE_TAIL = 64  # ids still probing after a numpy step, fewer than this: one by one
 
 
@@ -42,7 +47,6 @@ class KeyTable:
         self._mask = buckets - 1
         self._buckets = array("i", [_EMPTY]) * buckets
         self._ids = bytearray(_W * capacity)
-        self._view = memoryview(self._ids)
         self._bucket_of = array("i", [_EMPTY]) * capacity  # -1: the slot holds no key
         self._home = array("i", [0]) * capacity
         self._len = 0
@@ -57,14 +61,14 @@ class KeyTable:
 
     def get(self, kid: bytes) -> int:
         """The slot holding `kid`, or -1."""
-        buckets, view, mask = self._buckets, self._view, self._mask
+        buckets, ids, mask = self._buckets, self._ids, self._mask
         b = hash(kid) & mask
         while True:
             slot = buckets[b]
             if slot == _EMPTY:
                 return -1
-            at = slot * _W
-            if view[at : at + _W] == kid:
+            # The 16 bytes at the slot's offset, compared in place (no slice object).
+            if ids.startswith(kid, slot * _W) and len(kid) == _W:
                 return slot
             b = (b + 1) & mask
 
@@ -72,31 +76,84 @@ class KeyTable:
         """`get` of each id, in order: the same probes, every id's step at once in numpy."""
         n = len(kids)
         if n < MANY:
-            get = self.get
-            return [get(kid) for kid in kids]
-        mask = self._mask
-        buckets, ids = self._np_buckets, self._np_ids
-        bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
-        wanted = np.frombuffer(b"".join(kids), dtype=np.uint64).reshape(n, 2)
-        want_lo, want_hi = wanted[:, 0], wanted[:, 1]
-        out = np.full(n, _EMPTY, dtype=np.int64)
-        pending = np.arange(n)
-        # One probe step of every id still probing at a time; at most half the buckets are
-        # taken, so few ids take more than a step or two, and the last few go one by one.
-        while pending.size >= PROBE_TAIL:
-            slot = buckets[bucket]
-            keyed = slot >= 0
-            at = ids[np.where(keyed, slot, 0)]
-            found = keyed & (at[:, 0] == want_lo) & (at[:, 1] == want_hi)
-            out[pending[found]] = slot[found]
-            go_on = keyed & ~found
-            pending, bucket = pending[go_on], (bucket[go_on] + 1) & mask
-            want_lo, want_hi = want_lo[go_on], want_hi[go_on]
+            return self._get_each_inline(kids)
+        joined = b"".join(kids)
+        if len(joined) != _W * n or not self.capacity:
+            return self._get_each_inline(kids)
+        wanted = np.frombuffer(joined, dtype=np.uint64)
+        bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & self._mask
+        out, pending = self._probe(wanted[0::2], bucket, PROBE_TAIL)
         result = out.tolist()
         get = self.get
-        for i in pending.tolist():
+        # An id whose low half matched where its high half does not (two ids alike in their
+        # first 8 bytes) is looked up again in full, as are the ids still probing.
+        found = np.flatnonzero(out >= 0)
+        unsure = found[self._np_ids[out[found], 1] != wanted[1::2][found]]
+        for i in itertools.chain(pending.tolist(), unsure.tolist()):
             result[i] = get(kids[i])
         return result
+
+    def _probe(self, want_lo: np.ndarray, bucket: np.ndarray, tail: int) -> tuple[np.ndarray, np.ndarray]:
+        """Probe every id from `bucket` (its home; updated in place to where its probe stopped)
+        comparing the low 8 bytes of ids only: (the slot where each id's low half matched, else
+        -1; the ids still probing once fewer than `tail` are). Every id's first bucket at once
+        (an empty bucket, -1, reads the last slot's id: `keyed` masks it), then one step of the
+        ids still probing at a time: at most half the buckets are taken, so few take more than
+        a step or two."""
+        mask, buckets, lo_of = self._mask, self._np_buckets, self._np_ids[:, 0]
+        out = np.full(want_lo.size, _EMPTY, dtype=np.int64)
+        slot = buckets[bucket]
+        keyed = slot >= 0
+        hit = (lo_of[slot] == want_lo) & keyed
+        out[hit] = slot[hit]
+        pending = np.flatnonzero(keyed & ~hit)
+        while pending.size and pending.size >= tail:
+            at = (bucket[pending] + 1) & mask
+            bucket[pending] = at
+            slot = buckets[at]
+            keyed = slot >= 0
+            hit = (lo_of[slot] == want_lo[pending]) & keyed
+            out[pending[hit]] = slot[hit]
+            pending = pending[keyed & ~hit]
+        return out, pending
+
+    def _get_each_inline(self, kids) -> list[int]:
+        """`get` of each id, the probe loop inline (a short batch: no call per id)."""
+        buckets, ids, mask = self._buckets, self._ids, self._mask
+        startswith = ids.startswith
+        out = []
+        append = out.append
+        for kid in kids:
+            b = hash(kid) & mask
+            while True:
+                slot = buckets[b]
+                if slot == _EMPTY:
+                    append(-1)
+                    break
+                if startswith(kid, slot * _W) and len(kid) == _W:
+                    append(slot)
+                    break
+                b = (b + 1) & mask
+        return out
+
+    def leading(self, kids) -> list[int]:
+        """The slots of the leading ids the table holds (up to the first miss), the probe loop
+        inline: a caller reads no further than the first miss, and pays no call per id."""
+        buckets, ids, mask = self._buckets, self._ids, self._mask
+        startswith = ids.startswith
+        out = []
+        append = out.append
+        for kid in kids:
+            b = hash(kid) & mask
+            while True:
+                slot = buckets[b]
+                if slot == _EMPTY:
+                    return out
+                if startswith(kid, slot * _W) and len(kid) == _W:
+                    append(slot)
+                    break
+                b = (b + 1) & mask
+        return out
 
     def get_each(self, kids: list[bytes]) -> Iterator[int]:
         """`get` of each id, in order, as they are read: one at a time below MANY ids (a caller
@@ -110,15 +167,14 @@ class KeyTable:
         """Map `kid` to `slot`. The slot must hold no key, and `kid` must not be mapped."""
         if self._bucket_of[slot] != _EMPTY:
             raise ValueError(f"slot {slot} already holds key id {self.id_of(slot).hex()}")
-        buckets, view, mask = self._buckets, self._view, self._mask
+        buckets, ids, mask = self._buckets, self._ids, self._mask
         home = hash(kid) & mask
         b = home
         while True:
             other = buckets[b]
             if other == _EMPTY:
                 break
-            at = other * _W
-            if view[at : at + _W] == kid:
+            if ids.startswith(kid, other * _W) and len(kid) == _W:
                 raise ValueError(f"key id {kid.hex()} is already in slot {other}")
             b = (b + 1) & mask
         buckets[b] = slot
@@ -129,36 +185,82 @@ class KeyTable:
         self._len += 1
 
     def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
-        """`bind` of each id to its slot. From MANY ids, in numpy when the slots hold no key and
+        """`bind` of each id to its slot. From BIND_MANY ids, in numpy when the slots hold no key and
         are distinct and the ids are distinct and unmapped (checked before anything changes):
         every id still probing takes one step at a time, an empty bucket goes to the first id
         that reaches it, and the others probe on, so every id sits past only taken buckets, as
         `bind` would leave it. Otherwise one at a time (which raises on the first bad pair)."""
         n = len(kids)
-        if n < MANY or not self._bind_many_numpy(kids, slots):
-            bind = self.bind
+        if n < BIND_MANY or not self._bind_many_numpy(kids, slots):
+            self._bind_each_inline(kids, slots)
+
+    def _bind_each_inline(self, kids, slots) -> None:
+        """`bind` of each pair in order, the probe loop inline (no call per id); the first bad
+        pair raises, as `bind` does, after the pairs before it are bound."""
+        buckets, ids, mask = self._buckets, self._ids, self._mask
+        bucket_of, home_of, startswith = self._bucket_of, self._home, ids.startswith
+        bound = 0
+        try:
             for kid, slot in zip(kids, slots):
-                bind(kid, slot)
+                if bucket_of[slot] != _EMPTY:
+                    self.bind(kid, slot)  # raises: the slot holds a key
+                if len(kid) != _W:
+                    raise ValueError(f"a key id is {_W} bytes, got {len(kid)}")
+                home = hash(kid) & mask
+                b = home
+                while True:
+                    other = buckets[b]
+                    if other == _EMPTY:
+                        break
+                    if startswith(kid, other * _W):
+                        self.bind(kid, slot)  # raises: the id is mapped
+                    b = (b + 1) & mask
+                buckets[b] = slot
+                at = slot * _W
+                ids[at : at + _W] = kid
+                bucket_of[slot] = b
+                home_of[slot] = home
+                bound += 1
+        finally:
+            self._len += bound
 
     def _bind_many_numpy(self, kids: list[bytes], slots) -> bool:
         n = len(kids)
         at = np.asarray(slots, dtype=np.int64)
-        if at.shape != (n,) or (self._np_bucket_of[at] != _EMPTY).any():
+        bucket_of = self._np_bucket_of
+        if at.shape != (n,) or (bucket_of[at] != _EMPTY).any():
             return False
-        if first_of_each(at)[0].size != n or len(set(kids)) != n or max(self.get_many(kids)) >= 0:
+        # Distinct slots: each writes its own mark where its bucket goes (they hold no key) and
+        # reads it back; a repeated slot reads the mark of its last place at the first.
+        marks = -2 - np.arange(n, dtype=np.int32)
+        bucket_of[at] = marks
+        distinct = np.array_equal(bucket_of[at], marks)
+        bucket_of[at] = _EMPTY
+        joined = b"".join(kids)
+        if not distinct or len(joined) != _W * n or len(set(kids)) != n:
             return False
-        mask = self._mask
-        buckets = self._np_buckets
+        wanted = np.frombuffer(joined, dtype=np.uint64)
+        mask, buckets = self._mask, self._np_buckets
         home = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & mask
-        self._np_ids[at] = np.frombuffer(b"".join(kids), dtype=np.uint64).reshape(n, 2)
+        # The lookup's probe: an id whose low half matches on the way may be mapped already
+        # (bind one at a time decides); every other id stopped at an empty bucket, past only
+        # taken ones, so it is not mapped, and is placed from there.
+        bucket = home.copy()
+        found, _ = self._probe(wanted[0::2], bucket, 1)
+        if (found >= 0).any():
+            return False
+        self._np_ids[at] = wanted.reshape(n, 2)
         self._np_home[at] = home
-        pending, bucket = np.arange(n), home
+        # Every id still to place takes one step at a time: an empty bucket goes to the first id
+        # that reaches it, the others probe on, so every id sits past only taken buckets, as
+        # `bind` would leave it.
+        pending = np.arange(n)
         while pending.size:
             empty = buckets[bucket] == _EMPTY
             taken, first = first_of_each(bucket[empty])
             winners = pending[empty][first]
             buckets[taken] = at[winners]
-            self._np_bucket_of[at[winners]] = taken
+            bucket_of[at[winners]] = taken
             placed = np.zeros(pending.size, dtype=bool)
             placed[np.flatnonzero(empty)[first]] = True
             pending, bucket = pending[~placed], (bucket[~placed] + 1) & mask
@@ -244,11 +346,24 @@ class DictKeyTable:
         self.capacity = capacity
         self._map = _SlotsByKey()
         self._ids: list[bytes | None] = [None] * capacity
+        self._keyed = bytearray(capacity)  # 1 where the slot holds a key, for the numpy batch checks
+        self._np_keyed = np.frombuffer(self._keyed, dtype=np.uint8)
         self.get = self._map.__getitem__  # kid -> slot or -1
 
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order (a miss stays in C: dict.get with a default)."""
         return list(map(self._map.get, kids, itertools.repeat(-1)))
+
+    def leading(self, kids) -> list[int]:
+        """The slots of the leading ids the table holds (up to the first miss)."""
+        out = []
+        append, get = out.append, self._map.get
+        for kid in kids:
+            slot = get(kid)
+            if slot is None:
+                return out
+            append(slot)
+        return out
 
     def get_each(self, kids: list[bytes]) -> Iterator[int]:
         """`get` of each id, in order, as they are read."""
@@ -269,20 +384,28 @@ class DictKeyTable:
             raise ValueError(f"key id {kid.hex()} is already in slot {other}")
         self._map[kid] = slot
         self._ids[slot] = kid
+        self._keyed[slot] = 1
 
     def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
         """`bind` of each id to its slot (distinct slots); nothing changes when one cannot be bound."""
-        ids = self._ids
+        ids, table = self._ids, self._map
         if any(map(ids.__getitem__, slots)):
             taken = next(slot for slot in slots if ids[slot] is not None)
             raise ValueError(f"slot {taken} already holds key id {ids[taken].hex()}")
-        if not self._map.keys().isdisjoint(kids) or len(set(kids)) != len(kids):
-            mapped = self._map.keys() & kids
-            kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
-            raise ValueError(f"key id {kid.hex()} is already in slot {self._map.get(kid, slots[kids.index(kid)])}")
-        self._map.update(zip(kids, slots))
-        for slot, kid in zip(slots, kids):
-            ids[slot] = kid
+        before = len(table)
+        if table.keys().isdisjoint(kids):
+            table.update(zip(kids, slots))
+            if len(table) == before + len(kids):  # no id repeats within the batch either
+                keyed = self._keyed
+                for slot, kid in zip(slots, kids):  # (a loop stores faster than map over __setitem__)
+                    ids[slot] = kid
+                    keyed[slot] = 1
+                return
+            for kid in kids:  # a repeated id: take the batch back out, then name it
+                table.pop(kid, None)
+        mapped = table.keys() & kids
+        kid = next(iter(mapped)) if mapped else next(k for k in kids if kids.count(k) > 1)
+        raise ValueError(f"key id {kid.hex()} is already in slot {table.get(kid, slots[kids.index(kid)])}")
 
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""
@@ -290,6 +413,7 @@ class DictKeyTable:
         if kid is not None:
             del self._map[kid]
             self._ids[slot] = None
+            self._keyed[slot] = 0
 
     def id_of(self, slot: int) -> bytes:
         kid = self._ids[slot]
@@ -309,5 +433,4 @@ class DictKeyTable:
 
     def keyed(self, slots: np.ndarray) -> np.ndarray:
         """`holds_key` of each slot of an int64 array, as a bool array."""
-        return np.fromiter(map(operator.is_not, map(self._ids.__getitem__, slots.tolist()), itertools.repeat(None)),
-                           dtype=bool, count=slots.size)
+        return self._np_keyed[slots] != 0

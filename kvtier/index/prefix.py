@@ -63,13 +63,9 @@ def walk(dev_table, host_table, ids: list[bytes], start: int, in_remote=None) ->
 
 def leading_slots(table, ids: list[bytes]) -> list[int]:
     """The slots of the leading ids `table` holds."""
-    out: list[int] = []
-    get = table.get
-    for kid in ids[:MANY]:
-        slot = get(kid)
-        if slot < 0:
-            return out
-        out.append(slot)
+    out = table.leading(ids[:MANY])
+    if len(out) < MANY:
+        return out
     pos, chunk = MANY, MANY
     while pos < len(ids):
         slots = table.get_many(ids[pos : pos + chunk])

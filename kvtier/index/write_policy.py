@@ -31,6 +31,11 @@ class WritePolicy:
         return self.name == "write_through_selective" and hits >= SELECTIVE_HITS
 
     @property
+    def copies_on_hit(self) -> bool:
+        """copy_on_hit can be True for some hit count (only write_through_selective)."""
+        return self.name == "write_through_selective"
+
+    @property
     def keeps_every_page(self) -> bool:
         """copy_on_evict is True whatever the hits (every policy but write_through_selective)."""
         return self.name != "write_through_selective"

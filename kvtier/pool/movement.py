@@ -138,6 +138,8 @@ class Movement:
 
     def _copy_popular(self, dev_slots: list[int]) -> None:
         """write_through_selective: copy down the dirty pages that just reached enough hits."""
+        if not self.write_policy.copies_on_hit:
+            return
         dev = self._dev
         ready = [s for s in dev_slots if dev.state[s] == S.DIRTY and not dev.busy[s] and self.write_policy.copy_on_hit(dev.hits[s])]
         if ready:
@@ -254,7 +256,7 @@ class Movement:
 
     def _backup_popular(self, host_slots: list[int]) -> None:
         """write_through_selective: back up the dirty host pages that just reached enough hits."""
-        if self._link is None:
+        if self._link is None or not self.write_policy.copies_on_hit:
             return
         host = self._host
         ready = [s for s in host_slots if host.state[s] == S.DIRTY and self.write_policy.copy_on_hit(host.hits[s])]

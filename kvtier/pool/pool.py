@@ -483,11 +483,11 @@ class TieredPool(Movement, TierRoom):
         Device pages are held where they are; host pages land in new slots keyed at once
         (FREE -> LOADING).
 
-        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up
-        to _CHUNK_BYTES), each chunk's copy submitted before the next chunk's bookkeeping, so a
-        large load's bytes start moving after one small chunk of Python rather than after all of
-        it. A chunk that finds a key it cannot load now cancels the chunks before it: their pages
-        lose their keys at once and their slots are freed when their copies land.
+        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up to
+        _CHUNK_BYTES; after the first, a tail under half the next chunk joins the one before it), each
+        chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes start moving
+        after one small chunk of Python. A chunk that finds a key it cannot load now cancels the chunks
+        before it: their pages lose their keys at once and their slots are freed when their copies land.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
@@ -500,8 +500,8 @@ class TieredPool(Movement, TierRoom):
         pos, chunk = 0, _FIRST_CHUNK
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         while pos < len(ids):
-            end = min(pos + chunk, len(ids))
-            chunk = min(chunk * _CHUNK_GROWTH, largest)
+            end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
+            end = len(ids) if pos and len(ids) - end < chunk // 2 else min(end, len(ids))
             srcs = []
             dslots = dget_many(ids[pos:end])
             if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
