@@ -89,3 +89,52 @@ def test_a_slot_reused_by_another_process_is_read_again_from_the_index(open_stor
     stats = mine.stats()
     assert stats["stale_locations"] == 1 and stats["corrupt_reads"] == 0 and stats["raced_reads"] == 0
     assert other.get(["j"], pages[3:]) == [True] and torch.equal(pages[3], pages[1])
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("offset", [0, 64])  # aligned pages go zero-copy, others through a block
+def test_small_writes_are_durable_and_read_back_through_nixl_and_a_new_store(open_store, direct_io, offset):
+    """Puts of up to SMALL_BATCH_PAGES pages go through pwritev + fdatasync: a batch read
+    through NIXL (more than SMALL_BATCH_PAGES pages) and a store opened afterwards read every
+    byte back."""
+    store = open_store(direct_io=direct_io)
+    total = 3 * SMALL_BATCH_PAGES
+    _region, pages = aligned_pages(2 * total, offset)
+    fill_random(pages[:total], seed=23)
+    keys = [f"w{i}" for i in range(total)]
+    for start, count in ((0, 1), (1, SMALL_BATCH_PAGES), (1 + SMALL_BATCH_PAGES, total - 1 - SMALL_BATCH_PAGES)):
+        assert store.put(keys[start : start + count], pages[start : start + count]) == [True] * count
+    stats = store.stats()
+    assert stats["small_batch_writes"] == 2 and stats["write_failures"] == 0
+    out = pages[total:]
+    poison(out)
+    assert store.get(keys, out) == [True] * total  # one NIXL batch
+    assert all(torch.equal(pages[i], out[i]) for i in range(total))
+    directory = store.directory
+    store.close()
+    again = open_store(directory, direct_io=direct_io)
+    poison(out)
+    assert again.get(keys, out) == [True] * total
+    assert all(torch.equal(pages[i], out[i]) for i in range(total))
+
+
+def test_pieces_of_a_page_are_written_in_order(open_store):
+    store = open_store()
+    dest = torch.randint(0, 256, (PAGE + 3,), dtype=torch.uint8)
+    pieces = [dest[0:1000], dest[1001 : PAGE // 2 + 1], dest[PAGE // 2 + 3 : PAGE + 3]]
+    assert store.put(["p"], [pieces]) == [True]
+    assert store.stats()["small_batch_writes"] == 1
+    out = torch.full((SMALL_BATCH_PAGES + 1, PAGE), 0xA5, dtype=torch.uint8)
+    filler = torch.randint(0, 256, (SMALL_BATCH_PAGES, PAGE), dtype=torch.uint8)
+    assert all(store.put([f"f{i}" for i in range(SMALL_BATCH_PAGES)], list(filler)))
+    found = store.get(["p"] + [f"f{i}" for i in range(SMALL_BATCH_PAGES)], list(out))  # through NIXL
+    assert found == [True] * (SMALL_BATCH_PAGES + 1)
+    assert torch.equal(out[0], torch.cat(pieces)) and torch.equal(out[1:], filler)
+
+
+def test_a_write_fault_sends_a_small_put_through_nixl(open_store):
+    store = open_store()
+    store.faults.arm("error", count=1, op="WRITE")
+    assert store.put(["x"], [torch.randint(0, 256, (PAGE,), dtype=torch.uint8)]) == [False]
+    stats = store.stats()
+    assert (stats["small_batch_writes"], stats["write_failures"], stats["reserved_slots"]) == (0, 1, 0)

@@ -46,7 +46,7 @@ from kvtier.tiers.remote.errors import TransferFailed
 from kvtier.tiers.remote.nixl import NixlEngine
 from kvtier.tiers.remote.records import HEADER_BYTES, SLOT_ALIGN, RecordCodec
 from kvtier.tiers.remote.segments import Located, build_descriptors
-from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES, SmallReads
+from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES, SmallReads, SmallWrites
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +207,10 @@ class DataPath:
         self._staging = Blocks(self.host, self.per_request * slot_stride)
         self.window = DIRECT_REQUESTS_IN_FLIGHT if medium.direct_io else 1
         self._small = SmallReads(codec, page_bytes, slot_stride)
+        self._small_writes = SmallWrites(codec, page_bytes, slot_stride)
         self._small_lock = threading.Lock()
         self.small_batch_reads = 0
+        self.small_batch_writes = 0
 
     @property
     def direct_io(self) -> bool:
@@ -312,6 +314,25 @@ class DataPath:
             self._give(header_block, staging)
 
     # ----------------------------------------------------------------- writes
+    def write_durable(
+        self, ids: Sequence[bytes], tokens: Sequence[int], located: Located, writable: list[int],
+        pages: PageBuffers,
+    ) -> Optional[tuple[list[int], dict[int, int]]]:
+        """Write a few records with system calls and make them durable (``small_batches``):
+        (pages durable, their CRC32C); None where this route does not apply (more than
+        ``SMALL_BATCH_PAGES`` pages, the OBJ medium, a fault armed for writes): then ``write``
+        and the medium's ``make_durable``."""
+        if (
+            len(writable) > SMALL_BATCH_PAGES
+            or self._medium.whole_records
+            or not self._engine.faults.quiet("WRITE")
+        ):
+            return None
+        result = self._small_writes.write(ids, tokens, located, writable, pages)
+        with self._small_lock:
+            self.small_batch_writes += 1
+        return result
+
     def write(
         self, ids: Sequence[bytes], tokens: Sequence[int], located: Located, writable: list[int],
         pages: PageBuffers,

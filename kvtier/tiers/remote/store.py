@@ -457,6 +457,7 @@ class RemoteStore:
         counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
         counters["small_batch_reads"] = self._path.small_batch_reads
+        counters["small_batch_writes"] = self._path.small_batch_writes
         return counters
 
     # ----------------------------------------------------------------- data path
@@ -513,10 +514,12 @@ class RemoteStore:
             raise
         _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
-        moved, crcs = self._path.write(ids, tokens, located, writable, pages)
+        durable = self._path.write_durable(ids, tokens, located, writable, pages)
+        moved, crcs = durable if durable is not None else self._path.write(ids, tokens, located, writable, pages)
         try:
             if moved:
-                self._medium.make_durable({slots[i].seg for i in moved})
+                if durable is None:
+                    self._medium.make_durable({slots[i].seg for i in moved})
                 if self.faults.before_publish is not None:
                     self.faults.before_publish([ids[i] for i in moved])
                 outcome = self._index.publish(
