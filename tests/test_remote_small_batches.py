@@ -138,3 +138,30 @@ def test_a_write_fault_sends_a_small_put_through_nixl(open_store):
     assert store.put(["x"], [torch.randint(0, 256, (PAGE,), dtype=torch.uint8)]) == [False]
     stats = store.stats()
     assert (stats["small_batch_writes"], stats["write_failures"], stats["reserved_slots"]) == (0, 1, 0)
+
+
+def test_small_puts_take_spare_reservations_and_close_gives_them_back(open_store):
+    """A small put reserves SPARE_SLOTS more slots in its reservation's transaction; the next
+    small puts use them (one index transaction each); close releases what is left."""
+    from kvtier.tiers.remote.store import SPARE_SLOTS
+
+    store = open_store(capacity_bytes=1 << 30)
+    count = SPARE_SLOTS + 3
+    source = torch.randint(0, 256, (count, PAGE), dtype=torch.uint8)
+    keys = [f"sp{i}" for i in range(count)]
+    assert store.put(keys[:1], [source[0]]) == [True]
+    stats = store.stats()
+    assert (stats["spare_slots"], stats["reserved_slots"]) == (SPARE_SLOTS, 0)
+    for i in range(1, count):
+        assert store.put([keys[i]], [source[i]]) == [True]
+    stats = store.stats()
+    assert (stats["pages"], stats["reserved_slots"], stats["write_failures"]) == (count, 0, 0)
+    assert stats["spare_slots"] == 2 * SPARE_SLOTS + 2 - count
+    out = torch.full((count, PAGE), 0xA5, dtype=torch.uint8)
+    assert store.get(keys, list(out)) == [True] * count and torch.equal(out, source)
+    directory = store.directory
+    store.close()
+    again = open_store(directory, capacity_bytes=1 << 30)
+    stats = again.stats()
+    assert (stats["reserved_slots"], stats["spare_slots"], stats["pages"]) == (0, 0, count)
+    assert stats["free_slots"] == 2 * SPARE_SLOTS + 2 - count  # the spares went back

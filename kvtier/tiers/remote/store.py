@@ -150,6 +150,7 @@ from kvtier.tiers.remote.index import (
     PageLocation,
     PublishEntry,
     RemoteIndex,
+    Reservation,
     SlotRef,
     make_owner,
 )
@@ -168,6 +169,10 @@ from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
+# Slots a small put reserves ahead for the next ones (see ``RemoteStore._reserve``), and how
+# long they are kept before going back.
+SPARE_SLOTS = 16
+SPARE_MAX_AGE_S = 30.0
 CLOSE_GRACE_S = 0.5
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 
@@ -371,6 +376,12 @@ class RemoteStore:
         self._calls = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        self._spare_lock = threading.Lock()
+        self._spares: list[SlotRef] = []
+        self._spares_at = 0.0
+        # Spares are reservations like any other: kept well inside the lease after which
+        # another host may reclaim them.
+        self._spare_age_s = min(SPARE_MAX_AGE_S, reservation_lease_s / 4)
 
     def _log_other_namespaces(self, label: dict) -> None:
         """Say once, at open, which other namespaces (formats, models, ranks) the store holds
@@ -453,6 +464,9 @@ class RemoteStore:
             with self._stats_lock:
                 counters = dict(self._counters)
             counters.update(self._index.stats(self._ns_fp))
+            with self._spare_lock:
+                counters["spare_slots"] = len(self._spares)
+            counters["reserved_slots"] -= counters["spare_slots"]  # writes in progress
         counters["capacity_bytes"] = self.capacity_bytes
         counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
@@ -480,18 +494,50 @@ class RemoteStore:
         with self._call():
             return self._put(ids, pages)
 
+    def _reserve(self, count: int):
+        """Slots for ``count`` pages: a small batch takes this store's spare reservations (and
+        reserves ``SPARE_SLOTS`` more with its own when they run out), so a small put commits
+        one index transaction, its publication; others reserve their own."""
+        spare = 0
+        if count <= SMALL_BATCH_PAGES:
+            with self._spare_lock:
+                stale = self._spares if time.monotonic() - self._spares_at > self._spare_age_s else []
+                if stale:
+                    self._spares = []
+                elif len(self._spares) >= count:
+                    taken, self._spares = self._spares[:count], self._spares[count:]
+                    return Reservation(taken, 0)
+            self._release_quietly(stale)
+            # at most 1/64 of the capacity, so spares never make a store evict noticeably early
+            spare = min(SPARE_SLOTS, self.capacity_bytes // (64 * self.slot_stride))
+        reservation = self._index.reserve(
+            count,
+            length=self.page_bytes,
+            slot_stride=self.slot_stride,
+            slots_per_segment=self.slots_per_segment,
+            capacity_bytes=self.capacity_bytes,
+            high_watermark=self.high_watermark,
+            low_watermark=self.low_watermark,
+            create_segment=self._medium.create,
+            spare=spare,
+        )
+        if len(reservation.slots) > count:
+            extra = reservation.slots[count:]
+            with self._spare_lock:
+                if not self._spares:
+                    self._spares_at = time.monotonic()
+                self._spares.extend(extra)
+            reservation = Reservation(reservation.slots[:count], reservation.evicted)
+        return reservation
+
+    def _release_spares(self) -> None:
+        with self._spare_lock:
+            spares, self._spares = self._spares, []
+        self._release_quietly(spares)
+
     def _put(self, ids: list[bytes], pages: PageBuffers) -> list[bool]:
         try:
-            reservation = self._index.reserve(
-                len(ids),
-                length=self.page_bytes,
-                slot_stride=self.slot_stride,
-                slots_per_segment=self.slots_per_segment,
-                capacity_bytes=self.capacity_bytes,
-                high_watermark=self.high_watermark,
-                low_watermark=self.low_watermark,
-                create_segment=self._medium.create,
-            )
+            reservation = self._reserve(len(ids))
         except (sqlite3.Error, OSError) as exc:
             logger.warning("remote put of %d pages could not reserve slots: %r", len(ids), exc)
             self._count(write_failures=len(ids))
@@ -682,6 +728,7 @@ class RemoteStore:
             )
             return
         self._index.set_busy_timeout(max(1e-3, deadline - time.monotonic()))
+        self._release_spares()
         self._path.close()
         self._release_resources()
 
