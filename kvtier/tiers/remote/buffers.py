@@ -132,6 +132,17 @@ class PageBuffers:
         self.offsets = within.reshape(-1).astype(np.uint64)
         return self
 
+    def take(self, pages: Sequence[int]) -> "PageBuffers":
+        """The pages ``pages`` of this batch, in that order, as a batch of their own (array
+        operations only where every page has the same number of pieces)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        per_page = np.diff(self.first)
+        if len(pages) and len(per_page) and (per_page == per_page[0]).all():
+            pieces = self.pieces_of(pages)
+            return PageBuffers.from_arrays(self.ptrs[pieces], self.lens[pieces], len(pages), self.page_bytes)
+        everything = self.buffers()
+        return PageBuffers([everything[i] for i in pages.tolist()], len(pages), self.page_bytes)
+
     def buffers(self) -> list:
         """The pages as plain buffers again: ``(ptr, nbytes)`` for a one-piece page, a list of
         them otherwise (for a caller that picks pages out, such as the cluster tier's chain)."""
