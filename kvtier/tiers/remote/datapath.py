@@ -166,6 +166,19 @@ class Blocks:
             self._all.clear()
 
 
+class _Done:
+    """Verdicts known at once, with the ``result()`` of a future (a ``Future`` costs a
+    condition variable)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
 class _InFlight:
     """A posted request and what it holds until it is finished."""
 
@@ -241,9 +254,7 @@ class DataPath:
             failed, verdicts = self._small.read(ids, located, wanted, readable, expected, pages)
             with self._small_lock:
                 self.small_batch_reads += 1
-            done: Future = Future()
-            done.set_result([ok for _, ok in verdicts])
-            return failed, [([page for page, _ in verdicts], done)]
+            return failed, [([page for page, _ in verdicts], _Done([ok for _, ok in verdicts]))]
         failed: list[int] = []
         checks: list[tuple[list[int], Future]] = []
         staged = self._staged(pages)

@@ -35,7 +35,6 @@ import os
 import threading
 from typing import Sequence
 
-import numpy as np
 
 from kvtier.tiers.remote.buffers import PageBuffers, block_address, view
 from kvtier.tiers.remote.records import HEADER_BYTES, SLOT_ALIGN, RecordCodec
@@ -45,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 # Batches of at most this many pages are read with system calls (see the module docstring).
 SMALL_BATCH_PAGES = 4
+
+
+def _pieces(pages: PageBuffers, page: int) -> tuple[list[int], list[int]]:
+    """(addresses, lengths) of one page's pieces as Python ints."""
+    if pages.single:
+        return [int(pages.ptrs[page])], [int(pages.lens[page])]
+    lo, hi = int(pages.first[page]), int(pages.first[page + 1])
+    return pages.ptrs[lo:hi].tolist(), pages.lens[lo:hi].tolist()
 
 
 class SmallReads:
@@ -97,11 +104,10 @@ class SmallReads:
         header = os.pread(fd, HEADER_BYTES, header_off)
         if len(header) != HEADER_BYTES:
             raise OSError(errno.EIO, f"record header cut short at {len(header)} bytes")
-        lo, hi = int(pages.first[page]), int(pages.first[page + 1])
-        ptrs, lens = pages.ptrs[lo:hi], pages.lens[lo:hi]
-        if direct_fd == fd or not ((ptrs | lens) & np.uint64(SLOT_ALIGN - 1)).any():
+        ptrs, lens = _pieces(pages, page)
+        if direct_fd == fd or not any((p | n) & (SLOT_ALIGN - 1) for p, n in zip(ptrs, lens)):
             # Into the caller's pieces: buffered, or O_DIRECT where every piece is aligned.
-            views = [view(p, n) for p, n in zip(ptrs.tolist(), lens.tolist())]
+            views = [view(p, n) for p, n in zip(ptrs, lens)]
             self._preadv(fd, direct_fd, views, payload_off, self.page_bytes)
             return self._codec.verify(key, self.page_bytes, loc.token, loc.crc, header, views)
         block_view, address = self._block()
@@ -185,11 +191,10 @@ class SmallWrites:
         self, key: bytes, token: int, fd: int, direct_fd: int, header_off: int, payload_off: int,
         pages: PageBuffers, page: int,
     ) -> int:
-        lo, hi = int(pages.first[page]), int(pages.first[page + 1])
-        ptrs, lens = pages.ptrs[lo:hi], pages.lens[lo:hi]
-        if direct_fd == fd or not ((ptrs | lens) & np.uint64(SLOT_ALIGN - 1)).any():
+        ptrs, lens = _pieces(pages, page)
+        if direct_fd == fd or not any((p | n) & (SLOT_ALIGN - 1) for p, n in zip(ptrs, lens)):
             # From the caller's pieces: buffered, or O_DIRECT where every piece is aligned.
-            views = [view(p, n) for p, n in zip(ptrs.tolist(), lens.tolist())]
+            views = [view(p, n) for p, n in zip(ptrs, lens)]
             crc, header = self._codec.seal(key, self.page_bytes, token, views)
             self._pwritev(fd, direct_fd, views, payload_off, self.page_bytes)
         else:
