@@ -3,7 +3,8 @@
 Owns the segment file layout, creating, opening, checking and syncing segment files, their
 NIXL file registrations, and the NIXL descriptors that pair caller pieces with a record's
 header and payload. It must never decide which slot a page goes to (the index does), never
-move page bytes other than through NIXL (``pwrite`` writes a segment's superblock only;
+move page bytes itself (NIXL does, or ``small_batches``' system calls; ``pwrite`` here writes a
+segment's superblock only;
 ``ftruncate``, ``fdatasync`` and ``sync_file_range`` only manage files), and never follow a
 symbolic link in the store.
 

@@ -9,8 +9,8 @@ beside NIXL), ``presence`` (published keys and their locations this process know
 ``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header, CRC32C, MAC),
 ``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
 
-It must never: move page bytes other than through NIXL (or, for reads of a few records,
-``small_batches``' system calls on the same segment files); return a page whose record header,
+It must never: move page bytes other than through NIXL (or, for reads and writes of a few
+records, ``small_batches``' system calls on the same segment files); return a page whose record header,
 checksum or MAC does not match (a miss, counted, and the page leaves the index); make a page
 visible before its record is durable; remove another namespace's pages except by capacity
 eviction; hold the index lock while bytes move; let a bad key reach the worker threads.
@@ -66,7 +66,12 @@ records, ``fdatasync`` each touched segment, then publish (index transactions). 
 before publishing leaves only reservations, which ``RemoteIndex.reclaim`` frees once its owner
 is dead (pid + start time on this host; a lease for other hosts): the half-written slot is never
 visible. Two writers of one key each write a fresh slot; the later publication wins and frees
-the earlier page's slot.
+the earlier page's slot. A put of up to four pages (``small_batches``) writes its records with
+``pwritev`` and syncs them with one ``fdatasync`` per file in the same call, and takes its slots
+from up to ``SPARE_SLOTS`` that an earlier small put reserved in its own reservation transaction
+(at most 1/64 of the capacity; never evicting or adding a segment for them; released at close,
+after ``SPARE_MAX_AGE_S``, or by ``reclaim`` once this process is dead): one index transaction
+per put, its publication. ``stats()`` counts them as ``spare_slots``, not ``reserved_slots``.
 
 Reads: a page whose read fails for any reason (the request failed or timed out, its segment
 file is missing, deleted or short, its header, CRC32C or MAC does not match) leaves the index at
