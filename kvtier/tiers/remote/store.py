@@ -4,8 +4,8 @@ Owns ``RemoteStore``: the data path (put, get, contains, delete by key or by key
 counters, its threads, and the order of every step that makes a page durable, visible,
 readable or gone. The pieces it drives live beside it: ``index`` (SQLite: which slot holds
 which page), ``datapath`` (moving a batch's records: requests, checksum pipeline, registered
-blocks, direct I/O routes), ``small_batches`` (reads of up to four records with system calls,
-beside NIXL), ``presence`` (published keys and their locations this process knows),
+blocks, direct I/O routes), ``small_batches`` (reads and writes of up to four records with
+system calls, beside NIXL), ``presence`` (published keys and their locations this process knows),
 ``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header, CRC32C, MAC),
 ``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
 
