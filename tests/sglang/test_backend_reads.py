@@ -99,6 +99,8 @@ def test_mha_pieces_are_computed_as_the_pool_gives_them(tmp_path, gen, layout):
     table = lane.page_table(indices, 6)
     ptrs, sizes = pool.get_page_buffer_meta(indices)
     assert table.ptrs.tolist() == list(ptrs) and table.lens.tolist() == list(sizes)
+    computed = lane._computed(lane._layout, layout, indices, 6)  # what batches of many pieces use
+    assert computed[0].tolist() == list(ptrs) and computed[1].tolist() == list(sizes)
     fill_pages(pool, indices, gen)
     keys = keys_for(f"computed-{layout}", 6)
     assert backend.batch_set_v1(keys[::2], free[order[:6:2]].reshape(-1)) == [True] * 3

@@ -73,6 +73,11 @@ logger = logging.getLogger(__name__)
 _GENERIC = "the generic (copying) interface is not served: kvtier needs interface_v1"
 
 
+# Batches of at most this many pieces are described in plain Python (the pool's own list,
+# checked without arrays); larger ones with array operations.
+_FEW_PIECES = 32
+
+
 def _pool_regions(pool: Any) -> list[torch.Tensor]:
     """The host pool's page memory: ``kv_buffer`` (one tensor, or a tuple of tensors for the
     asymmetric MHA pool)."""
@@ -126,6 +131,7 @@ class _Lane:
         bounds = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in regions]
         self._starts = np.array([b[0] for b in bounds], dtype=np.int64)
         self._ends = np.array([b[1] for b in bounds], dtype=np.int64)
+        self._regions = bounds
         self._layout = self._mha_layout() if store is not None else None
 
     def _mha_layout(self) -> Optional[tuple[int, int, int, int]]:
@@ -195,6 +201,12 @@ class _Lane:
         of this lane's pieces inside the pool's memory: a pointer outside it would let NIXL read
         or write memory that is not a page."""
         ptrs, sizes = self._pieces(host_indices, pages)
+        if len(ptrs) <= _FEW_PIECES:  # plain Python: array setup costs more than the pieces
+            per_page = len(self.piece_sizes)
+            pieces = list(zip(ptrs, sizes))
+            return PageBuffers(
+                [pieces[i * per_page : (i + 1) * per_page] for i in range(pages)], pages, self.page_bytes
+            )
         return PageBuffers.from_arrays(
             np.asarray(ptrs, dtype=np.uint64), np.asarray(sizes, dtype=np.uint64), pages, self.page_bytes
         )
@@ -205,7 +217,7 @@ class _Lane:
                 f"{self.name}: {host_indices.numel()} host indices for {pages} pages; expected "
                 f"{pages * self.indices_per_page} ({self.indices_per_page} per page)"
             )
-        if self._layout is not None:
+        if self._layout is not None and pages * len(self.piece_sizes) > _FEW_PIECES:
             ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)
         else:
             ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
@@ -216,13 +228,21 @@ class _Lane:
                     f"{sorted(set(sizes))} for {pages} pages; expected {per_page} pieces per page of "
                     f"sizes {list(self.piece_sizes)}"
                 )
-        ptr_array = np.asarray(ptrs, dtype=np.int64)
-        end_array = ptr_array + np.asarray(sizes, dtype=np.int64)
-        inside = (
-            (ptr_array[:, None] >= self._starts[None, :]) & (end_array[:, None] <= self._ends[None, :])
-        ).any(axis=1)
-        if not inside.all():
-            bad = int(np.flatnonzero(~inside)[0])
+        if len(ptrs) <= _FEW_PIECES:
+            regions = self._regions
+            outside = [
+                i for i, (p, n) in enumerate(zip(ptrs, sizes))
+                if not any(s <= p and p + n <= e for s, e in regions)
+            ]
+        else:
+            ptr_array = np.asarray(ptrs, dtype=np.int64)
+            end_array = ptr_array + np.asarray(sizes, dtype=np.int64)
+            inside = (
+                (ptr_array[:, None] >= self._starts[None, :]) & (end_array[:, None] <= self._ends[None, :])
+            ).any(axis=1)
+            outside = np.flatnonzero(~inside).tolist()
+        if outside:
+            bad = outside[0]
             raise ValueError(
                 f"{self.name}: piece {bad} at {int(ptrs[bad]):#x} (+{int(sizes[bad])}) lies outside the host "
                 f"pool's memory {[(hex(s), int(e - s)) for s, e in zip(self._starts, self._ends)]}"
