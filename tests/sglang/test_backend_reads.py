@@ -101,6 +101,7 @@ def test_mha_pieces_are_computed_as_the_pool_gives_them(tmp_path, gen, layout):
     assert table.ptrs.tolist() == list(ptrs) and table.lens.tolist() == list(sizes)
     computed = lane._computed(lane._layout, layout, indices, 6)  # what batches of many pieces use
     assert computed[0].tolist() == list(ptrs) and computed[1].tolist() == list(sizes)
+    assert lane._computed_few(lane._layout, indices, 6) == (list(ptrs), list(sizes))  # and of a few
     fill_pages(pool, indices, gen)
     keys = keys_for(f"computed-{layout}", 6)
     assert backend.batch_set_v1(keys[::2], free[order[:6:2]].reshape(-1)) == [True] * 3

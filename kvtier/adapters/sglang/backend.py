@@ -165,6 +165,21 @@ class _Lane:
             return None
         return found
 
+    def _computed_few(self, found: tuple, host_indices: torch.Tensor, pages: int) -> tuple[list, list]:
+        """``_computed`` as Python lists, for a few pieces (array setup costs more)."""
+        base, row, per_layer, v_offset = found
+        firsts = host_indices[:: self.indices_per_page].tolist()
+        if self.pool.layout == "layer_first":
+            layers = range(len(self.piece_sizes) // 2)
+            ptrs = [
+                p for first in firsts for layer in layers
+                for k in (base + first * row + layer * per_layer,) for p in (k, k + v_offset)
+            ]
+        else:
+            scale = row * self.pool.layer_num
+            ptrs = [p for first in firsts for k in (base + first * scale,) for p in (k, k + v_offset)]
+        return ptrs, list(self.piece_sizes) * pages
+
     def _computed(self, found: tuple, layout: str, host_indices: torch.Tensor, pages: int):
         """(pointers, sizes) of the pieces of ``pages`` pages, as ``get_page_buffer_meta``
         orders them (per page: K then V of each layer, or K then V)."""
@@ -217,8 +232,11 @@ class _Lane:
                 f"{self.name}: {host_indices.numel()} host indices for {pages} pages; expected "
                 f"{pages * self.indices_per_page} ({self.indices_per_page} per page)"
             )
-        if self._layout is not None and pages * len(self.piece_sizes) > _FEW_PIECES:
-            ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)
+        if self._layout is not None:
+            if pages * len(self.piece_sizes) > _FEW_PIECES:
+                ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)
+            else:
+                ptrs, sizes = self._computed_few(self._layout, host_indices, pages)
         else:
             ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
             per_page = len(self.piece_sizes)
