@@ -76,6 +76,8 @@ _GENERIC = "the generic (copying) interface is not served: kvtier needs interfac
 # Batches of at most this many pieces are described in plain Python (the pool's own list,
 # checked without arrays); larger ones with array operations.
 _FEW_PIECES = 32
+# MHA pieces of batches of more than this many are computed with arrays, fewer in Python.
+_COMPUTED_IN_ARRAYS = 128
 
 
 def _pool_regions(pool: Any) -> list[torch.Tensor]:
@@ -233,7 +235,7 @@ class _Lane:
                 f"{pages * self.indices_per_page} ({self.indices_per_page} per page)"
             )
         if self._layout is not None:
-            if pages * len(self.piece_sizes) > _FEW_PIECES:
+            if pages * len(self.piece_sizes) > _COMPUTED_IN_ARRAYS:
                 ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)
             else:
                 ptrs, sizes = self._computed_few(self._layout, host_indices, pages)
