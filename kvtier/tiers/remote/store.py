@@ -677,10 +677,9 @@ class RemoteStore:
             self._index.presence.forget(self._ns_fp, ids)
             self._count(stale_locations=1)
             return None
-        self._count(locations_from_memory=1)
         if self._index.touch(self._ns_fp, ids):
             self._index.flush_touches_later()
-        self._count(hits=len(ids), bytes_read=len(ids) * self.page_bytes)
+        self._count(locations_from_memory=1, hits=len(ids), bytes_read=len(ids) * self.page_bytes)
         return [True] * len(ids)
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
