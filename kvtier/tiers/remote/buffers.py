@@ -53,6 +53,11 @@ def pointer(buffer: Piece, what: str = "buffer") -> tuple[int, int]:
     )
 
 
+# Pieces spread over more address space than this are copied page by page (a window view
+# over the span is only an address range, never touched outside the pieces, but keep it sane).
+_MAX_WINDOW_SPAN = 1 << 44
+
+
 class PageBuffers:
     """The pieces of a batch of pages, flattened: page ``i`` owns pieces
     ``first[i] .. first[i + 1]``; ``offsets`` are where each piece starts inside its page."""
@@ -178,6 +183,46 @@ class PageBuffers:
             self.ptrs[lo:hi].tolist(), self.lens[lo:hi].tolist(), self.offsets[lo:hi].tolist()
         ):
             ctypes.memmove(ptr, source + offset, nbytes)
+
+    def copy_pages(self, pages: Sequence[int], block: int, stride: int, into_block: bool) -> None:
+        """Copy the pieces of ``pages`` to (``into_block``) or from contiguous memory at
+        ``block + j * stride`` (the ``j``-th of ``pages``), in order: ``gather`` / ``scatter``
+        of many pages at once. Where every piece of these pages has one length and there are
+        several per page, all of them move in one array operation (a window view over the
+        address span of the pieces, rows taken or put at their offsets: no Python work per
+        piece, and no byte outside a piece is read or written); otherwise page by page."""
+        pages = list(pages)
+        if not pages:
+            return
+        pieces = self.pieces_of(pages)
+        lens = self.lens[pieces]
+        if self.single or len(pieces) < 2 * len(pages) or (lens != lens[0]).any():
+            move = self.gather if into_block else self.scatter
+            for j, page in enumerate(pages):
+                move(page, block + j * stride)
+            return
+        length = int(lens[0])
+        ptrs = self.ptrs[pieces]
+        lo = int(ptrs.min())
+        span = int(ptrs.max()) + length - lo
+        if span > _MAX_WINDOW_SPAN:
+            move = self.gather if into_block else self.scatter
+            for j, page in enumerate(pages):
+                move(page, block + j * stride)
+            return
+        memory = np.frombuffer((ctypes.c_ubyte * span).from_address(lo), dtype=np.uint8)
+        windows = np.lib.stride_tricks.as_strided(memory, shape=(span - length + 1, length), strides=(1, 1))
+        rows = (ptrs - np.uint64(lo)).astype(np.int64)
+        per_page = len(pieces) // len(pages)
+        staged_bytes = (len(pages) - 1) * stride + per_page * length
+        staged = np.lib.stride_tricks.as_strided(
+            np.frombuffer((ctypes.c_ubyte * staged_bytes).from_address(block), dtype=np.uint8),
+            shape=(len(pages), per_page, length), strides=(stride, length, 1),
+        )
+        if into_block:
+            staged[...] = windows[rows].reshape(staged.shape)
+        else:
+            windows[rows] = staged.reshape(-1, length)  # a copy where stride leaves gaps
 
     def views(self, page: int) -> list[ctypes.Array]:
         """Views of one page's pieces, for checksums."""

@@ -306,6 +306,9 @@ class DataPath:
         try:
             got = bytes(header_block[: len(sources) * HEADER_BYTES])
 
+            # pages of many pieces are copied out in one array operation once verified
+            scattered = bool(staging) and not pages.single
+
             def verify(j: int) -> bool:
                 loc = locations[j]
                 views = (
@@ -316,11 +319,19 @@ class DataPath:
                     ids[sources[j]], self.page_bytes, loc.token, loc.crc,
                     got[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], views,
                 )
-                if ok and staging:
+                if ok and staging and not scattered:
                     pages.scatter(sources[j], staging[1] + j * self.slot_stride)
                 return ok
 
-            return self._parallel(verify, len(sources))
+            verdicts = self._parallel(verify, len(sources))
+            if scattered:
+                good = [j for j, ok in enumerate(verdicts) if ok]
+                if len(good) == len(sources):
+                    pages.copy_pages(sources, staging[1], self.slot_stride, into_block=False)
+                else:  # verified pages only, each from its own place in the block
+                    for j in good:
+                        pages.scatter(sources[j], staging[1] + j * self.slot_stride)
+            return verdicts
         finally:
             self._give(header_block, staging)
 
@@ -411,12 +422,18 @@ class DataPath:
         block; staged pages are first copied into a staging block, and the copy is sealed."""
         header_block, header_ptr = self._headers.take()
         staging = self._staging.take() if staged else None
+        # pages of many pieces are gathered in one array operation first; others per page
+        # (which the threads split)
+        gathered = bool(staging) and not pages.single
+        if gathered:
+            pages.copy_pages(chunk, staging[1], self.slot_stride, into_block=True)
 
         def seal(j: int) -> tuple[int, bytes]:
             page = chunk[j]
             if staging:
                 at = staging[1] + j * self.slot_stride
-                pages.gather(page, at)
+                if not gathered:
+                    pages.gather(page, at)
                 views = [view(at, self.page_bytes)]
             else:
                 views = pages.views(page)
