@@ -56,6 +56,8 @@ def pointer(buffer: Piece, what: str = "buffer") -> tuple[int, int]:
 # Pieces spread over more address space than this are copied page by page (a window view
 # over the span is only an address range, never touched outside the pieces, but keep it sane).
 _MAX_WINDOW_SPAN = 1 << 44
+# Larger pieces are copied one memmove each: their copy dwarfs the Python around it.
+_MAX_WINDOW_PIECE = 32 << 10
 
 
 class PageBuffers:
@@ -187,16 +189,20 @@ class PageBuffers:
     def copy_pages(self, pages: Sequence[int], block: int, stride: int, into_block: bool) -> None:
         """Copy the pieces of ``pages`` to (``into_block``) or from contiguous memory at
         ``block + j * stride`` (the ``j``-th of ``pages``), in order: ``gather`` / ``scatter``
-        of many pages at once. Where every piece of these pages has one length and there are
-        several per page, all of them move in one array operation (a window view over the
-        address span of the pieces, rows taken or put at their offsets: no Python work per
-        piece, and no byte outside a piece is read or written); otherwise page by page."""
+        of many pages at once. Where every piece of these pages has one length (up to
+        ``_MAX_WINDOW_PIECE``) and there are several per page, each page's pieces move in one
+        array operation (a window view over the address span of the pieces, rows taken or put
+        at their offsets: no Python work per piece, and no byte outside a piece is read or
+        written); otherwise one ``memmove`` per piece."""
         pages = list(pages)
         if not pages:
             return
         pieces = self.pieces_of(pages)
         lens = self.lens[pieces]
-        if self.single or len(pieces) < 2 * len(pages) or (lens != lens[0]).any():
+        if (
+            self.single or len(pieces) < 2 * len(pages) or (lens != lens[0]).any()
+            or int(lens[0]) > _MAX_WINDOW_PIECE
+        ):
             move = self.gather if into_block else self.scatter
             for j, page in enumerate(pages):
                 move(page, block + j * stride)
@@ -219,10 +225,14 @@ class PageBuffers:
             np.frombuffer((ctypes.c_ubyte * staged_bytes).from_address(block), dtype=np.uint8),
             shape=(len(pages), per_page, length), strides=(stride, length, 1),
         )
-        if into_block:
-            staged[...] = windows[rows].reshape(staged.shape)
-        else:
-            windows[rows] = staged.reshape(-1, length)  # a copy where stride leaves gaps
+        rows = rows.reshape(len(pages), per_page)
+        # A page at a time: its rows are one page of temporary memory (indexing the window view
+        # as a whole array, as np.take would, would copy the whole span).
+        for j in range(len(pages)):
+            if into_block:
+                staged[j] = windows[rows[j]]
+            else:
+                windows[rows[j]] = staged[j]
 
     def views(self, page: int) -> list[ctypes.Array]:
         """Views of one page's pieces, for checksums."""
