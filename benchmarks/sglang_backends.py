@@ -377,9 +377,11 @@ def main() -> None:
                            "batch": batch, "page_bytes": page_bytes, "runs": runs, **med}
                     rows.append(row)
                     print(format_row(row), flush=True)
-            for ctrl, _ in ctrls.values():
+            for ctrl, path in ctrls.values():
                 if ctrl is not None and hasattr(ctrl.storage_backend, "close"):
                     ctrl.storage_backend.close()
+                # a format's pages (GBs at 512 x 2 MiB per backend) go before the next format's
+                shutil.rmtree(path, ignore_errors=True)
             del pool, ctrls
     finally:
         if not args.dir:

@@ -199,3 +199,50 @@ def test_warm_calls_register_no_memory_with_nixl(open_store, monkeypatch):
     assert store.get(["w0"], pages[2:3]) == [True]
     assert calls == []
     assert torch.equal(pages[3], pages[1]) and torch.equal(pages[2], pages[0])
+
+
+@pytest.mark.parametrize("page_bytes", [PAGE, PAGE - 3 * 1024], ids=["stride-equal", "stride-gap"])
+def test_pages_of_many_equal_pieces_are_staged_in_one_copy_and_read_back(open_store, page_bytes):
+    """Unaligned pages of many equal pieces interleaved as an SGLang layer_first pool lays them
+    out (piece k of page i at k * pages * length + i * length) move through staging blocks in
+    one array copy each way: bytes round-trip exactly, the memory between pieces is never
+    written, and a corrupt record is a miss while the rest of its request is copied out."""
+    from kvtier.tiers.remote.buffers import PageBuffers
+
+    pieces, count = 8, 12
+    length = page_bytes // pieces
+    store = open_store(page_bytes=page_bytes)
+    gap = 64  # bytes between one page's piece and the next page's, kept poisoned
+
+    def table(flat: torch.Tensor) -> PageBuffers:
+        base = flat.data_ptr() + 64  # not 4 KiB aligned: staged
+        k = torch.arange(pieces, dtype=torch.int64)[None, :] * (count * (length + gap))
+        i = torch.arange(count, dtype=torch.int64)[:, None] * (length + gap)
+        ptrs = (base + k + i).reshape(-1).numpy().astype("uint64")
+        return PageBuffers.from_arrays(ptrs, [length] * (count * pieces), count, page_bytes)
+
+    size = 64 + pieces * count * (length + gap)
+    src = torch.randint(1, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(31))
+    dst = torch.full((size,), 0xA5, dtype=torch.uint8)
+    keys = [f"many-{i}" for i in range(count)]
+    assert store.put(keys, table(src)) == [True] * count
+    assert store.get(keys, table(dst)) == [True] * count
+    inside = torch.zeros(size, dtype=torch.bool)
+    for p in table(src).ptrs.tolist():
+        inside[p - src.data_ptr() : p - src.data_ptr() + length] = True
+    assert torch.equal(dst[inside], src[inside])
+    assert bool((dst[~inside] == 0xA5).all())  # nothing outside the pieces was written
+    path, _, payload = record_offsets(store, keys[5])
+    flip_byte(path, payload + 7)
+    drop_cache(path)
+    dst.fill_(0xA5)
+    found = store.get(keys, table(dst))
+    assert found == [i != 5 for i in range(count)]
+    for i in range(count):
+        page_inside = torch.zeros(size, dtype=torch.bool)
+        for p in table(src).ptrs.tolist()[i * pieces : (i + 1) * pieces]:
+            page_inside[p - src.data_ptr() : p - src.data_ptr() + length] = True
+        if i == 5:
+            continue  # a miss: its content is unspecified
+        assert torch.equal(dst[page_inside], src[page_inside])
+    assert bool((dst[~inside] == 0xA5).all())

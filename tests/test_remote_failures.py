@@ -143,7 +143,9 @@ def test_injected_errors_and_timeouts_fail_cleanly(open_store):
 
 def test_a_read_racing_slot_reuse_is_a_miss_not_corruption(open_store, monkeypatch):
     reader = open_store(reuse_delay_s=0.0)
-    writer = open_store(reuse_delay_s=0.0)
+    # a capacity too small for spare slots: the slot "k" frees is the next one handed out
+    writer = open_store(reuse_delay_s=0.0, capacity_bytes=32 * PAGE)
+    assert writer.stats()["spare_slots"] == 0
     v1, v2, v3 = random_pages(3, seed=15)
     writer.put(["k"], [v1])
     looked_up = reader._index.lookup

@@ -89,3 +89,79 @@ def test_a_slot_reused_by_another_process_is_read_again_from_the_index(open_stor
     stats = mine.stats()
     assert stats["stale_locations"] == 1 and stats["corrupt_reads"] == 0 and stats["raced_reads"] == 0
     assert other.get(["j"], pages[3:]) == [True] and torch.equal(pages[3], pages[1])
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("offset", [0, 64])  # aligned pages go zero-copy, others through a block
+def test_small_writes_are_durable_and_read_back_through_nixl_and_a_new_store(open_store, direct_io, offset):
+    """Puts of up to SMALL_BATCH_PAGES pages go through pwritev + fdatasync: a batch read
+    through NIXL (more than SMALL_BATCH_PAGES pages) and a store opened afterwards read every
+    byte back."""
+    store = open_store(direct_io=direct_io)
+    total = 3 * SMALL_BATCH_PAGES
+    _region, pages = aligned_pages(2 * total, offset)
+    fill_random(pages[:total], seed=23)
+    keys = [f"w{i}" for i in range(total)]
+    for start, count in ((0, 1), (1, SMALL_BATCH_PAGES), (1 + SMALL_BATCH_PAGES, total - 1 - SMALL_BATCH_PAGES)):
+        assert store.put(keys[start : start + count], pages[start : start + count]) == [True] * count
+    stats = store.stats()
+    assert stats["small_batch_writes"] == 2 and stats["write_failures"] == 0
+    out = pages[total:]
+    poison(out)
+    assert store.get(keys, out) == [True] * total  # one NIXL batch
+    assert all(torch.equal(pages[i], out[i]) for i in range(total))
+    directory = store.directory
+    store.close()
+    again = open_store(directory, direct_io=direct_io)
+    poison(out)
+    assert again.get(keys, out) == [True] * total
+    assert all(torch.equal(pages[i], out[i]) for i in range(total))
+
+
+def test_pieces_of_a_page_are_written_in_order(open_store):
+    store = open_store()
+    dest = torch.randint(0, 256, (PAGE + 3,), dtype=torch.uint8)
+    pieces = [dest[0:1000], dest[1001 : PAGE // 2 + 1], dest[PAGE // 2 + 3 : PAGE + 3]]
+    assert store.put(["p"], [pieces]) == [True]
+    assert store.stats()["small_batch_writes"] == 1
+    out = torch.full((SMALL_BATCH_PAGES + 1, PAGE), 0xA5, dtype=torch.uint8)
+    filler = torch.randint(0, 256, (SMALL_BATCH_PAGES, PAGE), dtype=torch.uint8)
+    assert all(store.put([f"f{i}" for i in range(SMALL_BATCH_PAGES)], list(filler)))
+    found = store.get(["p"] + [f"f{i}" for i in range(SMALL_BATCH_PAGES)], list(out))  # through NIXL
+    assert found == [True] * (SMALL_BATCH_PAGES + 1)
+    assert torch.equal(out[0], torch.cat(pieces)) and torch.equal(out[1:], filler)
+
+
+def test_a_write_fault_sends_a_small_put_through_nixl(open_store):
+    store = open_store()
+    store.faults.arm("error", count=1, op="WRITE")
+    assert store.put(["x"], [torch.randint(0, 256, (PAGE,), dtype=torch.uint8)]) == [False]
+    stats = store.stats()
+    assert (stats["small_batch_writes"], stats["write_failures"], stats["reserved_slots"]) == (0, 1, 0)
+
+
+def test_small_puts_take_spare_reservations_and_close_gives_them_back(open_store):
+    """A small put reserves SPARE_SLOTS more slots in its reservation's transaction; the next
+    small puts use them (one index transaction each); close releases what is left."""
+    from kvtier.tiers.remote.store import SPARE_SLOTS
+
+    store = open_store(capacity_bytes=1 << 30)
+    count = SPARE_SLOTS + 3
+    source = torch.randint(0, 256, (count, PAGE), dtype=torch.uint8)
+    keys = [f"sp{i}" for i in range(count)]
+    assert store.put(keys[:1], [source[0]]) == [True]
+    stats = store.stats()
+    assert (stats["spare_slots"], stats["reserved_slots"]) == (SPARE_SLOTS, 0)
+    for i in range(1, count):
+        assert store.put([keys[i]], [source[i]]) == [True]
+    stats = store.stats()
+    assert (stats["pages"], stats["reserved_slots"], stats["write_failures"]) == (count, 0, 0)
+    assert stats["spare_slots"] == 2 * SPARE_SLOTS + 2 - count
+    out = torch.full((count, PAGE), 0xA5, dtype=torch.uint8)
+    assert store.get(keys, list(out)) == [True] * count and torch.equal(out, source)
+    directory = store.directory
+    store.close()
+    again = open_store(directory, capacity_bytes=1 << 30)
+    stats = again.stats()
+    assert (stats["reserved_slots"], stats["spare_slots"], stats["pages"]) == (0, 0, count)
+    assert stats["free_slots"] == 2 * SPARE_SLOTS + 2 - count  # the spares went back

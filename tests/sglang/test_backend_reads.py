@@ -80,3 +80,36 @@ def test_layer_first_pages_round_trip(tmp_path, gen, direct_io):
     for a, b in zip(page_starts(src), page_starts(dst)):
         assert page_tensor_bytes(pool, b) == page_tensor_bytes(pool, a)
     backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_mha_pieces_are_computed_as_the_pool_gives_them(tmp_path, gen, layout):
+    """For MHA pools the backend computes a batch's pieces with array operations; they equal
+    the pool's own get_page_buffer_meta for scattered pages, and a partly present batch writes
+    only its missing pages, whose bytes read back."""
+    import torch
+
+    pool = make_host_pool("mha", layout, layers=4, heads=2, head_dim=64)
+    backend = make_backend(storage_config(tmp_path), pool)
+    lane = backend._all_lanes()[0]
+    assert lane._layout is not None
+    free = pool.alloc(9 * PAGE).reshape(9, PAGE)
+    order = torch.randperm(9, generator=gen)
+    indices = free[order[:6]].reshape(-1)
+    table = lane.page_table(indices, 6)
+    ptrs, sizes = pool.get_page_buffer_meta(indices)
+    assert table.ptrs.tolist() == list(ptrs) and table.lens.tolist() == list(sizes)
+    computed = lane._computed(lane._layout, layout, indices, 6)  # what batches of many pieces use
+    assert computed[0].tolist() == list(ptrs) and computed[1].tolist() == list(sizes)
+    assert lane._computed_few(lane._layout, indices, 6) == (list(ptrs), list(sizes))  # and of a few
+    fill_pages(pool, indices, gen)
+    keys = keys_for(f"computed-{layout}", 6)
+    assert backend.batch_set_v1(keys[::2], free[order[:6:2]].reshape(-1)) == [True] * 3
+    assert backend.batch_set_v1(keys, indices) == [True] * 6  # three present, three written
+    dst = free[order[6:]].reshape(-1)
+    for start in (0, 3):
+        poison_pages(pool, dst)
+        assert backend.batch_get_v1(keys[start : start + 3], dst) == [True] * 3
+        for a, b in zip(page_starts(indices)[start : start + 3], page_starts(dst)):
+            assert page_tensor_bytes(pool, b) == page_tensor_bytes(pool, a)
+    backend.close()

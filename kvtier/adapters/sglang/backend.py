@@ -73,6 +73,13 @@ logger = logging.getLogger(__name__)
 _GENERIC = "the generic (copying) interface is not served: kvtier needs interface_v1"
 
 
+# Batches of at most this many pieces are described in plain Python (the pool's own list,
+# checked without arrays); larger ones with array operations.
+_FEW_PIECES = 32
+# MHA pieces of batches of more than this many are computed with arrays, fewer in Python.
+_COMPUTED_IN_ARRAYS = 128
+
+
 def _pool_regions(pool: Any) -> list[torch.Tensor]:
     """The host pool's page memory: ``kv_buffer`` (one tensor, or a tuple of tensors for the
     asymmetric MHA pool)."""
@@ -126,6 +133,68 @@ class _Lane:
         bounds = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in regions]
         self._starts = np.array([b[0] for b in bounds], dtype=np.int64)
         self._ends = np.array([b[1] for b in bounds], dtype=np.int64)
+        self._regions = bounds
+        self._layout = self._mha_layout() if store is not None else None
+
+    def _mha_layout(self) -> Optional[tuple[int, int, int, int]]:
+        """(kv_buffer address, bytes per token row, bytes per layer, V offset) where the pool
+        is an MHA pool of one ``kv_buffer`` (K and V halves) in ``layer_first`` or
+        ``page_first`` layout and the pieces computed from them equal what
+        ``get_page_buffer_meta`` gives for its first pages: then a batch's pieces are computed
+        with array operations (``get_page_buffer_meta`` builds a Python list, one entry per
+        piece). None otherwise: the pool is asked every time."""
+        pool = self.pool
+        try:
+            layout = pool.layout
+            if layout not in ("layer_first", "page_first") or len(self.piece_sizes) not in (2, 2 * pool.layer_num):
+                return None
+            itemsize = pool.dtype.itemsize
+            row = pool.head_num * pool.head_dim * itemsize
+            per_layer = pool.size * row
+            v_offset = pool.layer_num * per_layer
+            found = (pool.kv_buffer.data_ptr(), row, per_layer, v_offset)
+            probe_pages = min(2, pool.size // self.indices_per_page - 1)  # pages 1 and 2
+            if probe_pages < 1:
+                return None
+            probe = torch.arange(
+                self.indices_per_page, (probe_pages + 1) * self.indices_per_page, dtype=torch.int64
+            )[: probe_pages * self.indices_per_page]
+            ptrs, sizes = pool.get_page_buffer_meta(probe)
+            mine, my_sizes = self._computed(found, layout, probe, probe_pages)
+        except Exception:  # an attribute missing, another pool class: ask the pool
+            return None
+        if list(ptrs) != mine.tolist() or list(sizes) != my_sizes.tolist():
+            return None
+        return found
+
+    def _computed_few(self, found: tuple, host_indices: torch.Tensor, pages: int) -> tuple[list, list]:
+        """``_computed`` as Python lists, for a few pieces (array setup costs more)."""
+        base, row, per_layer, v_offset = found
+        firsts = host_indices[:: self.indices_per_page].tolist()
+        if self.pool.layout == "layer_first":
+            layers = range(len(self.piece_sizes) // 2)
+            ptrs = [
+                p for first in firsts for layer in layers
+                for k in (base + first * row + layer * per_layer,) for p in (k, k + v_offset)
+            ]
+        else:
+            scale = row * self.pool.layer_num
+            ptrs = [p for first in firsts for k in (base + first * scale,) for p in (k, k + v_offset)]
+        return ptrs, list(self.piece_sizes) * pages
+
+    def _computed(self, found: tuple, layout: str, host_indices: torch.Tensor, pages: int):
+        """(pointers, sizes) of the pieces of ``pages`` pages, as ``get_page_buffer_meta``
+        orders them (per page: K then V of each layer, or K then V)."""
+        base, row, per_layer, v_offset = found
+        first = host_indices.reshape(pages, self.indices_per_page)[:, 0].cpu().numpy().astype(np.int64)
+        if layout == "layer_first":
+            layers = len(self.piece_sizes) // 2
+            k = (base + first * row)[:, None] + np.arange(layers, dtype=np.int64)[None, :] * per_layer
+        else:
+            k = (base + first * row * self.pool.layer_num)[:, None]
+        ptrs = np.stack([k, k + v_offset], axis=2).reshape(-1)
+        sizes = np.tile(np.asarray(self.piece_sizes, dtype=np.int64), pages)
+        return ptrs, sizes
 
     @property
     def logical(self) -> bool:
@@ -149,33 +218,53 @@ class _Lane:
         of this lane's pieces inside the pool's memory: a pointer outside it would let NIXL read
         or write memory that is not a page."""
         ptrs, sizes = self._pieces(host_indices, pages)
+        if len(ptrs) <= _FEW_PIECES:  # plain Python: array setup costs more than the pieces
+            per_page = len(self.piece_sizes)
+            pieces = list(zip(ptrs, sizes))
+            return PageBuffers(
+                [pieces[i * per_page : (i + 1) * per_page] for i in range(pages)], pages, self.page_bytes
+            )
         return PageBuffers.from_arrays(
             np.asarray(ptrs, dtype=np.uint64), np.asarray(sizes, dtype=np.uint64), pages, self.page_bytes
         )
 
-    def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple[list, list]:
+    def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple:
         if host_indices.numel() != pages * self.indices_per_page:
             raise ValueError(
                 f"{self.name}: {host_indices.numel()} host indices for {pages} pages; expected "
                 f"{pages * self.indices_per_page} ({self.indices_per_page} per page)"
             )
-        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-        per_page = len(self.piece_sizes)
-        if len(ptrs) != pages * per_page or list(sizes) != list(self.piece_sizes) * pages:
+        if self._layout is not None:
+            if pages * len(self.piece_sizes) > _COMPUTED_IN_ARRAYS:
+                ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)
+            else:
+                ptrs, sizes = self._computed_few(self._layout, host_indices, pages)
+        else:
+            ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+            per_page = len(self.piece_sizes)
+            if len(ptrs) != pages * per_page or list(sizes) != list(self.piece_sizes) * pages:
+                raise ValueError(
+                    f"{self.name}: get_page_buffer_meta gave {len(ptrs)} pieces of sizes "
+                    f"{sorted(set(sizes))} for {pages} pages; expected {per_page} pieces per page of "
+                    f"sizes {list(self.piece_sizes)}"
+                )
+        if len(ptrs) <= _FEW_PIECES:
+            regions = self._regions
+            outside = [
+                i for i, (p, n) in enumerate(zip(ptrs, sizes))
+                if not any(s <= p and p + n <= e for s, e in regions)
+            ]
+        else:
+            ptr_array = np.asarray(ptrs, dtype=np.int64)
+            end_array = ptr_array + np.asarray(sizes, dtype=np.int64)
+            inside = (
+                (ptr_array[:, None] >= self._starts[None, :]) & (end_array[:, None] <= self._ends[None, :])
+            ).any(axis=1)
+            outside = np.flatnonzero(~inside).tolist()
+        if outside:
+            bad = outside[0]
             raise ValueError(
-                f"{self.name}: get_page_buffer_meta gave {len(ptrs)} pieces of sizes "
-                f"{sorted(set(sizes))} for {pages} pages; expected {per_page} pieces per page of "
-                f"sizes {list(self.piece_sizes)}"
-            )
-        ptr_array = np.asarray(ptrs, dtype=np.int64)
-        end_array = ptr_array + np.asarray(sizes, dtype=np.int64)
-        inside = (
-            (ptr_array[:, None] >= self._starts[None, :]) & (end_array[:, None] <= self._ends[None, :])
-        ).any(axis=1)
-        if not inside.all():
-            bad = int(np.flatnonzero(~inside)[0])
-            raise ValueError(
-                f"{self.name}: piece {bad} at {ptrs[bad]:#x} (+{sizes[bad]}) lies outside the host "
+                f"{self.name}: piece {bad} at {int(ptrs[bad]):#x} (+{int(sizes[bad])}) lies outside the host "
                 f"pool's memory {[(hex(s), int(e - s)) for s, e in zip(self._starts, self._ends)]}"
             )
         return ptrs, sizes
@@ -479,12 +568,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
         start = time.perf_counter()
         try:
             ids = key_ids(keys)
-            buffers = lane.page_buffers(host_indices, count)
+            buffers = lane.page_table(host_indices, count)
             # Pages found present are skipped and reported stored: asked of the index itself,
             # not the presence cache, which may not yet know another handle removed them.
             present = lane.store.contains_ids(ids, fresh=True)
             missing = [i for i in range(count) if not present[i]]
-            written = lane.store.put_ids([ids[i] for i in missing], [buffers[i] for i in missing]) if missing else []
+            if len(missing) < count:
+                buffers = buffers.take(missing)
+            written = lane.store.put_ids([ids[i] for i in missing], buffers) if missing else []
         except Exception as exc:
             self._fail("write", name, count, exc)
             return [False] * count

@@ -53,6 +53,13 @@ def pointer(buffer: Piece, what: str = "buffer") -> tuple[int, int]:
     )
 
 
+# Pieces spread over more address space than this are copied page by page (a window view
+# over the span is only an address range, never touched outside the pieces, but keep it sane).
+_MAX_WINDOW_SPAN = 1 << 44
+# Larger pieces are copied one memmove each: their copy dwarfs the Python around it.
+_MAX_WINDOW_PIECE = 32 << 10
+
+
 class PageBuffers:
     """The pieces of a batch of pages, flattened: page ``i`` owns pieces
     ``first[i] .. first[i + 1]``; ``offsets`` are where each piece starts inside its page."""
@@ -132,6 +139,17 @@ class PageBuffers:
         self.offsets = within.reshape(-1).astype(np.uint64)
         return self
 
+    def take(self, pages: Sequence[int]) -> "PageBuffers":
+        """The pages ``pages`` of this batch, in that order, as a batch of their own (array
+        operations only where every page has the same number of pieces)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        per_page = np.diff(self.first)
+        if len(pages) and len(per_page) and (per_page == per_page[0]).all():
+            pieces = self.pieces_of(pages)
+            return PageBuffers.from_arrays(self.ptrs[pieces], self.lens[pieces], len(pages), self.page_bytes)
+        everything = self.buffers()
+        return PageBuffers([everything[i] for i in pages.tolist()], len(pages), self.page_bytes)
+
     def buffers(self) -> list:
         """The pages as plain buffers again: ``(ptr, nbytes)`` for a one-piece page, a list of
         them otherwise (for a caller that picks pages out, such as the cluster tier's chain)."""
@@ -167,6 +185,54 @@ class PageBuffers:
             self.ptrs[lo:hi].tolist(), self.lens[lo:hi].tolist(), self.offsets[lo:hi].tolist()
         ):
             ctypes.memmove(ptr, source + offset, nbytes)
+
+    def copy_pages(self, pages: Sequence[int], block: int, stride: int, into_block: bool) -> None:
+        """Copy the pieces of ``pages`` to (``into_block``) or from contiguous memory at
+        ``block + j * stride`` (the ``j``-th of ``pages``), in order: ``gather`` / ``scatter``
+        of many pages at once. Where every piece of these pages has one length (up to
+        ``_MAX_WINDOW_PIECE``) and there are several per page, each page's pieces move in one
+        array operation (a window view over the address span of the pieces, rows taken or put
+        at their offsets: no Python work per piece, and no byte outside a piece is read or
+        written); otherwise one ``memmove`` per piece."""
+        pages = list(pages)
+        if not pages:
+            return
+        pieces = self.pieces_of(pages)
+        lens = self.lens[pieces]
+        if (
+            self.single or len(pieces) < 2 * len(pages) or (lens != lens[0]).any()
+            or int(lens[0]) > _MAX_WINDOW_PIECE
+        ):
+            move = self.gather if into_block else self.scatter
+            for j, page in enumerate(pages):
+                move(page, block + j * stride)
+            return
+        length = int(lens[0])
+        ptrs = self.ptrs[pieces]
+        lo = int(ptrs.min())
+        span = int(ptrs.max()) + length - lo
+        if span > _MAX_WINDOW_SPAN:
+            move = self.gather if into_block else self.scatter
+            for j, page in enumerate(pages):
+                move(page, block + j * stride)
+            return
+        memory = np.frombuffer((ctypes.c_ubyte * span).from_address(lo), dtype=np.uint8)
+        windows = np.lib.stride_tricks.as_strided(memory, shape=(span - length + 1, length), strides=(1, 1))
+        rows = (ptrs - np.uint64(lo)).astype(np.int64)
+        per_page = len(pieces) // len(pages)
+        staged_bytes = (len(pages) - 1) * stride + per_page * length
+        staged = np.lib.stride_tricks.as_strided(
+            np.frombuffer((ctypes.c_ubyte * staged_bytes).from_address(block), dtype=np.uint8),
+            shape=(len(pages), per_page, length), strides=(stride, length, 1),
+        )
+        rows = rows.reshape(len(pages), per_page)
+        # A page at a time: its rows are one page of temporary memory (indexing the window view
+        # as a whole array, as np.take would, would copy the whole span).
+        for j in range(len(pages)):
+            if into_block:
+                staged[j] = windows[rows[j]]
+            else:
+                windows[rows[j]] = staged[j]
 
     def views(self, page: int) -> list[ctypes.Array]:
         """Views of one page's pieces, for checksums."""

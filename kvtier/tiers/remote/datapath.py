@@ -46,7 +46,7 @@ from kvtier.tiers.remote.errors import TransferFailed
 from kvtier.tiers.remote.nixl import NixlEngine
 from kvtier.tiers.remote.records import HEADER_BYTES, SLOT_ALIGN, RecordCodec
 from kvtier.tiers.remote.segments import Located, build_descriptors
-from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES, SmallReads
+from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES, SmallReads, SmallWrites
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,19 @@ class Blocks:
             self._all.clear()
 
 
+class _Done:
+    """Verdicts known at once, with the ``result()`` of a future (a ``Future`` costs a
+    condition variable)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
 class _InFlight:
     """A posted request and what it holds until it is finished."""
 
@@ -207,8 +220,10 @@ class DataPath:
         self._staging = Blocks(self.host, self.per_request * slot_stride)
         self.window = DIRECT_REQUESTS_IN_FLIGHT if medium.direct_io else 1
         self._small = SmallReads(codec, page_bytes, slot_stride)
+        self._small_writes = SmallWrites(codec, page_bytes, slot_stride)
         self._small_lock = threading.Lock()
         self.small_batch_reads = 0
+        self.small_batch_writes = 0
 
     @property
     def direct_io(self) -> bool:
@@ -239,9 +254,7 @@ class DataPath:
             failed, verdicts = self._small.read(ids, located, wanted, readable, expected, pages)
             with self._small_lock:
                 self.small_batch_reads += 1
-            done: Future = Future()
-            done.set_result([ok for _, ok in verdicts])
-            return failed, [([page for page, _ in verdicts], done)]
+            return failed, [([page for page, _ in verdicts], _Done([ok for _, ok in verdicts]))]
         failed: list[int] = []
         checks: list[tuple[list[int], Future]] = []
         staged = self._staged(pages)
@@ -293,6 +306,9 @@ class DataPath:
         try:
             got = bytes(header_block[: len(sources) * HEADER_BYTES])
 
+            # pages of many pieces are copied out in one array operation once verified
+            scattered = bool(staging) and not pages.single
+
             def verify(j: int) -> bool:
                 loc = locations[j]
                 views = (
@@ -303,15 +319,42 @@ class DataPath:
                     ids[sources[j]], self.page_bytes, loc.token, loc.crc,
                     got[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], views,
                 )
-                if ok and staging:
+                if ok and staging and not scattered:
                     pages.scatter(sources[j], staging[1] + j * self.slot_stride)
                 return ok
 
-            return self._parallel(verify, len(sources))
+            verdicts = self._parallel(verify, len(sources))
+            if scattered:
+                good = [j for j, ok in enumerate(verdicts) if ok]
+                if len(good) == len(sources):
+                    pages.copy_pages(sources, staging[1], self.slot_stride, into_block=False)
+                else:  # verified pages only, each from its own place in the block
+                    for j in good:
+                        pages.scatter(sources[j], staging[1] + j * self.slot_stride)
+            return verdicts
         finally:
             self._give(header_block, staging)
 
     # ----------------------------------------------------------------- writes
+    def write_durable(
+        self, ids: Sequence[bytes], tokens: Sequence[int], located: Located, writable: list[int],
+        pages: PageBuffers,
+    ) -> Optional[tuple[list[int], dict[int, int]]]:
+        """Write a few records with system calls and make them durable (``small_batches``):
+        (pages durable, their CRC32C); None where this route does not apply (more than
+        ``SMALL_BATCH_PAGES`` pages, the OBJ medium, a fault armed for writes): then ``write``
+        and the medium's ``make_durable``."""
+        if (
+            len(writable) > SMALL_BATCH_PAGES
+            or self._medium.whole_records
+            or not self._engine.faults.quiet("WRITE")
+        ):
+            return None
+        result = self._small_writes.write(ids, tokens, located, writable, pages)
+        with self._small_lock:
+            self.small_batch_writes += 1
+        return result
+
     def write(
         self, ids: Sequence[bytes], tokens: Sequence[int], located: Located, writable: list[int],
         pages: PageBuffers,
@@ -379,12 +422,18 @@ class DataPath:
         block; staged pages are first copied into a staging block, and the copy is sealed."""
         header_block, header_ptr = self._headers.take()
         staging = self._staging.take() if staged else None
+        # pages of many pieces are gathered in one array operation first; others per page
+        # (which the threads split)
+        gathered = bool(staging) and not pages.single
+        if gathered:
+            pages.copy_pages(chunk, staging[1], self.slot_stride, into_block=True)
 
         def seal(j: int) -> tuple[int, bytes]:
             page = chunk[j]
             if staging:
                 at = staging[1] + j * self.slot_stride
-                pages.gather(page, at)
+                if not gathered:
+                    pages.gather(page, at)
                 views = [view(at, self.page_bytes)]
             else:
                 views = pages.views(page)

@@ -3,7 +3,8 @@
 Owns the segment file layout, creating, opening, checking and syncing segment files, their
 NIXL file registrations, and the NIXL descriptors that pair caller pieces with a record's
 header and payload. It must never decide which slot a page goes to (the index does), never
-move page bytes other than through NIXL (``pwrite`` writes a segment's superblock only;
+move page bytes itself (NIXL does, or ``small_batches``' system calls; ``pwrite`` here writes a
+segment's superblock only;
 ``ftruncate``, ``fdatasync`` and ``sync_file_range`` only manage files), and never follow a
 symbolic link in the store.
 
@@ -81,6 +82,7 @@ SUPERBLOCK_BYTES = SLOT_ALIGN
 _SUPERBLOCK = struct.Struct("<4sHHQQQ")
 _SUPERBLOCK_CRC = struct.Struct("<I")
 _ZERO_CHECK_BYTES = 1 << 16
+_SMALL_LOCATE = 4  # slots located in plain Python
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -463,6 +465,8 @@ class SegmentFiles:
         ``bad``: a deleted or missing segment file, or (reads) a record past the end of a
         truncated one."""
         count = len(slots)
+        if count <= _SMALL_LOCATE:
+            return self._locate_few(slots, length, for_write)
         segs = np.fromiter((s.seg for s in slots), dtype=np.int64, count=count)
         slot_ids = np.fromiter((s.slot for s in slots), dtype=np.uint64, count=count)
         devs = np.zeros(count, dtype=np.uint64)
@@ -488,6 +492,34 @@ class SegmentFiles:
                 bad.update((int(i), reason) for i in short)
         header_offs = np.uint64(SUPERBLOCK_BYTES) + slot_ids * np.uint64(HEADER_BYTES)
         return Located(devs, direct_devs, header_offs, payload_offs, bad)
+
+    def _locate_few(self, slots: Sequence[SlotRef], length: int, for_write: bool) -> Located:
+        """``locate`` for a few slots: the same answer, in plain Python (array setup costs more
+        than the work here)."""
+        devs, direct_devs, header_offs, payload_offs = [], [], [], []
+        bad: dict[int, str] = {}
+        states: dict[int, tuple] = {}
+        for i, ref in enumerate(slots):
+            state = states.get(ref.seg)
+            if state is None:
+                reason, size = self._usable(ref.seg, for_write)
+                state = states[ref.seg] = (reason, size) + (
+                    self._segment(ref.seg) if reason is None else (0, 0, 0, 0)
+                )
+            reason, size, fd, direct, slot_stride, nslots = state
+            payload = SUPERBLOCK_BYTES + header_table_bytes(nslots) + ref.slot * slot_stride if reason is None else 0
+            if reason is not None:
+                bad[i] = reason
+            elif size < segment_file_bytes(slot_stride, nslots) and payload + length > size:
+                bad[i] = f"segment file {self._file(ref.seg)} is cut short at {size} bytes"
+            devs.append(fd)
+            direct_devs.append(direct)
+            payload_offs.append(payload)
+            header_offs.append(SUPERBLOCK_BYTES + ref.slot * HEADER_BYTES)
+        return Located(
+            np.array(devs, dtype=np.uint64), np.array(direct_devs, dtype=np.uint64),
+            np.array(header_offs, dtype=np.uint64), np.array(payload_offs, dtype=np.uint64), bad,
+        )
 
     def start_writeback(self, remote: np.ndarray) -> None:
         """Ask the kernel to start writing the byte range a request just dirtied, per file, so

@@ -4,13 +4,13 @@ Owns ``RemoteStore``: the data path (put, get, contains, delete by key or by key
 counters, its threads, and the order of every step that makes a page durable, visible,
 readable or gone. The pieces it drives live beside it: ``index`` (SQLite: which slot holds
 which page), ``datapath`` (moving a batch's records: requests, checksum pipeline, registered
-blocks, direct I/O routes), ``small_batches`` (reads of up to four records with system calls,
-beside NIXL), ``presence`` (published keys and their locations this process knows),
+blocks, direct I/O routes), ``small_batches`` (reads and writes of up to four records with
+system calls, beside NIXL), ``presence`` (published keys and their locations this process knows),
 ``segments`` (segment files, the OBJ medium, descriptors), ``records`` (header, CRC32C, MAC),
 ``nixl`` (the agent and its requests), ``paths`` (directory safety), ``faults``.
 
-It must never: move page bytes other than through NIXL (or, for reads of a few records,
-``small_batches``' system calls on the same segment files); return a page whose record header,
+It must never: move page bytes other than through NIXL (or, for reads and writes of a few
+records, ``small_batches``' system calls on the same segment files); return a page whose record header,
 checksum or MAC does not match (a miss, counted, and the page leaves the index); make a page
 visible before its record is durable; remove another namespace's pages except by capacity
 eviction; hold the index lock while bytes move; let a bad key reach the worker threads.
@@ -66,7 +66,12 @@ records, ``fdatasync`` each touched segment, then publish (index transactions). 
 before publishing leaves only reservations, which ``RemoteIndex.reclaim`` frees once its owner
 is dead (pid + start time on this host; a lease for other hosts): the half-written slot is never
 visible. Two writers of one key each write a fresh slot; the later publication wins and frees
-the earlier page's slot.
+the earlier page's slot. A put of up to four pages (``small_batches``) writes its records with
+``pwritev`` and syncs them with one ``fdatasync`` per file in the same call, and takes its slots
+from up to ``SPARE_SLOTS`` that an earlier small put reserved in its own reservation transaction
+(at most 1/64 of the capacity; never evicting or adding a segment for them; released at close,
+after ``SPARE_MAX_AGE_S``, or by ``reclaim`` once this process is dead): one index transaction
+per put, its publication. ``stats()`` counts them as ``spare_slots``, not ``reserved_slots``.
 
 Reads: a page whose read fails for any reason (the request failed or timed out, its segment
 file is missing, deleted or short, its header, CRC32C or MAC does not match) leaves the index at
@@ -150,6 +155,7 @@ from kvtier.tiers.remote.index import (
     PageLocation,
     PublishEntry,
     RemoteIndex,
+    Reservation,
     SlotRef,
     make_owner,
 )
@@ -168,6 +174,10 @@ from kvtier.tiers.remote.small_batches import SMALL_BATCH_PAGES
 logger = logging.getLogger(__name__)
 
 DEFAULT_FREE_SPACE_SHARE = 0.5
+# Slots a small put reserves ahead for the next ones (see ``RemoteStore._reserve``), and how
+# long they are kept before going back.
+SPARE_SLOTS = 16
+SPARE_MAX_AGE_S = 30.0
 CLOSE_GRACE_S = 0.5
 _NAMESPACE = re.compile(r"[0-9a-fA-F]+")
 
@@ -371,6 +381,12 @@ class RemoteStore:
         self._calls = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        self._spare_lock = threading.Lock()
+        self._spares: list[SlotRef] = []
+        self._spares_at = 0.0
+        # Spares are reservations like any other: kept well inside the lease after which
+        # another host may reclaim them.
+        self._spare_age_s = min(SPARE_MAX_AGE_S, reservation_lease_s / 4)
 
     def _log_other_namespaces(self, label: dict) -> None:
         """Say once, at open, which other namespaces (formats, models, ranks) the store holds
@@ -453,10 +469,14 @@ class RemoteStore:
             with self._stats_lock:
                 counters = dict(self._counters)
             counters.update(self._index.stats(self._ns_fp))
+            with self._spare_lock:
+                counters["spare_slots"] = len(self._spares)
+            counters["reserved_slots"] -= counters["spare_slots"]  # writes in progress
         counters["capacity_bytes"] = self.capacity_bytes
         counters["direct_io"] = int(self._path.direct_io)
         counters["contains_from_memory"] = self._index.presence.hits
         counters["small_batch_reads"] = self._path.small_batch_reads
+        counters["small_batch_writes"] = self._path.small_batch_writes
         return counters
 
     # ----------------------------------------------------------------- data path
@@ -479,18 +499,50 @@ class RemoteStore:
         with self._call():
             return self._put(ids, pages)
 
+    def _reserve(self, count: int):
+        """Slots for ``count`` pages: a small batch takes this store's spare reservations (and
+        reserves ``SPARE_SLOTS`` more with its own when they run out), so a small put commits
+        one index transaction, its publication; others reserve their own."""
+        spare = 0
+        if count <= SMALL_BATCH_PAGES:
+            with self._spare_lock:
+                stale = self._spares if time.monotonic() - self._spares_at > self._spare_age_s else []
+                if stale:
+                    self._spares = []
+                elif len(self._spares) >= count:
+                    taken, self._spares = self._spares[:count], self._spares[count:]
+                    return Reservation(taken, 0)
+            self._release_quietly(stale)
+            # at most 1/64 of the capacity, so spares never make a store evict noticeably early
+            spare = min(SPARE_SLOTS, self.capacity_bytes // (64 * self.slot_stride))
+        reservation = self._index.reserve(
+            count,
+            length=self.page_bytes,
+            slot_stride=self.slot_stride,
+            slots_per_segment=self.slots_per_segment,
+            capacity_bytes=self.capacity_bytes,
+            high_watermark=self.high_watermark,
+            low_watermark=self.low_watermark,
+            create_segment=self._medium.create,
+            spare=spare,
+        )
+        if len(reservation.slots) > count:
+            extra = reservation.slots[count:]
+            with self._spare_lock:
+                if not self._spares:
+                    self._spares_at = time.monotonic()
+                self._spares.extend(extra)
+            reservation = Reservation(reservation.slots[:count], reservation.evicted)
+        return reservation
+
+    def _release_spares(self) -> None:
+        with self._spare_lock:
+            spares, self._spares = self._spares, []
+        self._release_quietly(spares)
+
     def _put(self, ids: list[bytes], pages: PageBuffers) -> list[bool]:
         try:
-            reservation = self._index.reserve(
-                len(ids),
-                length=self.page_bytes,
-                slot_stride=self.slot_stride,
-                slots_per_segment=self.slots_per_segment,
-                capacity_bytes=self.capacity_bytes,
-                high_watermark=self.high_watermark,
-                low_watermark=self.low_watermark,
-                create_segment=self._medium.create,
-            )
+            reservation = self._reserve(len(ids))
         except (sqlite3.Error, OSError) as exc:
             logger.warning("remote put of %d pages could not reserve slots: %r", len(ids), exc)
             self._count(write_failures=len(ids))
@@ -513,10 +565,12 @@ class RemoteStore:
             raise
         _log_by_reason("remote put: %d pages not written: %s", located.bad)
         writable = [i for i in range(len(slots)) if i not in located.bad]
-        moved, crcs = self._path.write(ids, tokens, located, writable, pages)
+        durable = self._path.write_durable(ids, tokens, located, writable, pages)
+        moved, crcs = durable if durable is not None else self._path.write(ids, tokens, located, writable, pages)
         try:
             if moved:
-                self._medium.make_durable({slots[i].seg for i in moved})
+                if durable is None:
+                    self._medium.make_durable({slots[i].seg for i in moved})
                 if self.faults.before_publish is not None:
                     self.faults.before_publish([ids[i] for i in moved])
                 outcome = self._index.publish(
@@ -623,10 +677,9 @@ class RemoteStore:
             self._index.presence.forget(self._ns_fp, ids)
             self._count(stale_locations=1)
             return None
-        self._count(locations_from_memory=1)
         if self._index.touch(self._ns_fp, ids):
             self._index.flush_touches_later()
-        self._count(hits=len(ids), bytes_read=len(ids) * self.page_bytes)
+        self._count(locations_from_memory=1, hits=len(ids), bytes_read=len(ids) * self.page_bytes)
         return [True] * len(ids)
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
@@ -679,6 +732,7 @@ class RemoteStore:
             )
             return
         self._index.set_busy_timeout(max(1e-3, deadline - time.monotonic()))
+        self._release_spares()
         self._path.close()
         self._release_resources()
 
