@@ -20,15 +20,25 @@ LIVENESS_S = 30
 
 
 class CountingEngine(TorchEngine):
-    """The torch twin, remembering how many pages each reload it was given moved."""
+    """The torch twin, remembering how many pages each reload it was given moved: `reloads`
+    for whole reloads and a split load's first-layer chunks, `rests` (pages, layers) for the
+    other layers of a split load."""
 
     def __init__(self, device_tier, host_tier) -> None:
         super().__init__(device_tier, host_tier)
         self.reloads: list[int] = []
+        self.rests: list[tuple[int, range]] = []
 
     def reload(self, host_slots, device_slots, ready=None):
         self.reloads.append(len(device_slots))
         return super().reload(host_slots, device_slots, ready)
+
+    def reload_layers(self, host_slots, device_slots, layers, ready=None):
+        if layers.start == 0:
+            self.reloads.append(len(device_slots))
+        else:
+            self.rests.append((len(device_slots), layers))
+        return super().reload_layers(host_slots, device_slots, layers, ready)
 
 
 def _pool(registry, engine, device_pages=200, host_pages=300, policy="write_through"):
@@ -67,6 +77,8 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     # with those (a tail shorter than half the next chunk): the device pages are in the first
     # chunk, so it reloads 22 pages, the second 138.
     assert pool.engine.reloads == [first - 10, 170 - first]
+    # Each chunk copied its first layer; the other layers of all 160 follow in one call.
+    assert pool.engine.rests == [(160, range(1, pool.fmt.num_layers))]
     assert 170 - first - first * growth < first * growth * growth // 2
     for layer in range(pool.fmt.num_layers):
         handle.wait_layer(layer)
@@ -90,6 +102,7 @@ def test_chunks_stop_growing_at_the_chunk_bytes(registry, gen, monkeypatch):
     pool.engine.reloads.clear()
     handle = pool.load(keys)
     assert pool.engine.reloads == [32, 50, 50, 38]
+    assert pool.engine.rests == [(170, range(1, pool.fmt.num_layers))]
     handle.synchronize()
     assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
     pool.release(handle.slots)

@@ -275,3 +275,18 @@ class EventTicket(Ticket):
         # outlive it, so it goes to the engine's `retired` queue until the last event fires.
         if self._keepalive:
             self._retired.append((self.layer_events[-1], self._keepalive))
+
+
+class LayerEventTicket(EventTicket):
+    """A copy of some layers only (`reload_layers`): one event per layer of `layers`, in order;
+    `wait_layer` of a layer outside them orders nothing."""
+
+    def __init__(self, layer_events: list, layers: range, num_layers: int, device, keepalive: tuple, retired) -> None:
+        super().__init__(layer_events, num_layers, device, keepalive, retired)
+        self.layers = layers
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        if layer in self.layers:
+            torch.cuda.current_stream(self.device).wait_event(self.layer_events[layer - self.layers.start])
