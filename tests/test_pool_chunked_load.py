@@ -9,11 +9,12 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from kvtier import TieredPool, prefix_keys
 from kvtier.pool import pool as pool_module
 from kvtier.transfer import TorchEngine
-from tests.conftest import fill_random, small_format, snapshot
+from tests.conftest import fill_random, poison, small_format, snapshot
 from tests.deferred_engine import DeferredEngine
 
 LIVENESS_S = 30
@@ -198,5 +199,73 @@ def test_a_chunk_that_needs_pages_copied_down_first_waits_in_the_general_path(re
     engine.land()
     pool.match(keys[:1])  # reaps what landed
     assert pool.stats()["states"]["device"]["loading"] == 0
+    _check_indexes(pool)
+    pool.close()
+
+
+def _layer_bytes(pool, slots, layer):
+    """Exact bytes of one layer (every plane, data and scales) of device `slots`."""
+    dev, fmt = pool.device_tier, pool.fmt
+    idx = torch.as_tensor(slots, dtype=torch.int64)
+    out = b"".join(dev.raw_plane(layer, plane)[idx].numpy().tobytes() for plane in range(fmt.planes))
+    if dev.has_scales:
+        out += b"".join(dev.scale_plane(layer, plane)[idx].numpy().tobytes() for plane in range(fmt.planes))
+    return out
+
+
+def test_a_split_load_orders_each_layer_after_exactly_its_own_copies(registry, gen):
+    """A load of several chunks: each chunk's first layer is queued as the chunk is booked, the
+    other layers of all chunks after the last one. wait_layer(0) returns once every chunk's first
+    layer landed, while layers 1.. are still poison; wait_layer(i > 0) waits for the rest; each
+    waiter (its own thread) then reads its layer bit-exact."""
+    pool = _pool(registry, DeferredEngine)
+    engine, layers = pool.engine, pool.fmt.num_layers
+    assert layers > 1
+    keys = prefix_keys(np.arange(100), 1, pool.namespace)
+    stop, lander = _landing(engine)
+    try:
+        expected_pages = _write(pool, keys, gen)
+    finally:
+        stop.set()
+        lander.join(LIVENESS_S)
+    pool.evict(tier="device")
+    poison(pool, list(range(pool.device_tier.num_pages)))
+    while engine.submitted.acquire(timeout=0):
+        pass
+    handle = pool.load(keys)
+    # 32 pages, then the other 68 (a tail under half of 128 joins): two first-layer copies, one for the rest.
+    assert engine.pending() == 3
+    poisoned = {layer: _layer_bytes(pool, handle.slots, layer) for layer in range(layers)}
+    seen: dict[int, tuple[int, bytes]] = {}
+    landed = [0]
+
+    def waiter(layer):
+        handle.wait_layer(layer)
+        seen[layer] = (landed[0], _layer_bytes(pool, handle.slots, layer))
+
+    threads = [threading.Thread(target=waiter, args=(layer,)) for layer in range(layers)]
+    for t in threads:
+        t.start()
+    landed[0] = engine.land(1)  # the first chunk's first layer: no layer is whole yet
+    threads[0].join(0.05)
+    assert threads[0].is_alive() and not seen
+    landed[0] += engine.land(1)  # the second chunk's first layer: layer 0 is whole, nothing else
+    threads[0].join(LIVENESS_S)
+    assert not threads[0].is_alive() and seen[0][0] == 2
+    for layer in range(1, layers):
+        assert _layer_bytes(pool, handle.slots, layer) == poisoned[layer], f"layer {layer} copied with layer 0"
+        assert threads[layer].is_alive()
+    landed[0] += engine.land(1)  # the other layers of all 100 pages
+    for t in threads:
+        t.join(LIVENESS_S)
+        assert not t.is_alive()
+    assert all(seen[layer][0] == 3 for layer in range(1, layers))
+    handle.synchronize()
+    assert handle.done()
+    assert all(snapshot(pool, s) == expected_pages[k] for k, s in zip(keys, handle.slots))
+    for layer in range(layers):  # what each waiter read is its layer's final, bit-exact bytes
+        assert seen[layer][1] == _layer_bytes(pool, handle.slots, layer) != poisoned[layer]
+    pool.release(handle.slots)
+    assert pool.match(keys).device == 100
     _check_indexes(pool)
     pool.close()

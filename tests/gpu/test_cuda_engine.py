@@ -221,6 +221,37 @@ def test_reload_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
         tiers.close()
 
 
+@pytest.mark.parametrize("fmt,path", CASES)
+def test_reload_layers_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
+    """A split load's two calls: the first layer, then the others; after each, exactly the layers
+    copied so far match the twin (the rest still poison), and each ticket is done."""
+    if fmt.num_layers < 2:
+        pytest.skip("one layer: nothing to split")
+    rng = np.random.default_rng(3)
+    tiers = Tiers(fmt, seed=300)
+    count = int(rng.integers(2, 40))
+    hslots = _batch(rng, count, HOST_PAGES, False)
+    dslots = _batch(rng, count, DEVICE_PAGES, False)
+    tiers.poison_device()
+    engine = CudaEngine(tiers.dev, tiers.host, path=path)
+    twin = TorchEngine(tiers.cpu_dev, tiers.cpu_host)
+    tickets = []
+    for layers in (range(1), range(1, fmt.num_layers)):
+        ticket = engine.reload_layers(hslots, dslots, layers, ready=engine.record_ready())
+        for layer in layers:
+            ticket.wait_layer(layer)  # the comparisons below read on the current stream
+        twin.reload_layers(hslots, dslots, layers)
+        _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, f"reload_layers {path} {layers} pages")
+        if fmt.device_has_scales:
+            _assert_bytes_equal(tiers.dev.scales, tiers.cpu_dev.scales, f"reload_layers {path} {layers} scales")
+        tickets.append(ticket)
+    for ticket in tickets:
+        ticket.synchronize()
+        assert ticket.done()
+    engine.close()
+    tiers.close()
+
+
 @pytest.mark.parametrize("fmt", [pytest.param(f, id=f.describe()) for f in CONVERTING])
 @pytest.mark.skipif(
     not (HAS_CUPY and CAN_CONVERT and HAS_BATCH_MEMCPY), reason="staged upcast needs NVRTC, sm_89+ and cuda-bindings >= 12.8"
