@@ -159,6 +159,7 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
         model.decode(kv, tokens, positions, table, tails)
         for _ in range(repeats):
             step["resident"].append(timed(lambda: model.decode(kv, tokens, positions, table, tails)))
+        resident_enqueue = resident_timeline(model, kv, tokens, positions, table, tails) if cuda else None
         pool.release(held)
         landed: list[list[int]] = []
 
@@ -173,6 +174,8 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
             pool.release(landed.pop())
         step["prefetched"].pop(0)
         timeline = prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails) if cuda else None
+        if timeline:
+            timeline["resident"] = resident_enqueue
         pool.release(new_pages)
     row = {name: statistics.median(v) for name, v in step.items()}
     nbytes = len(flat) * pool.fmt.page_bytes
@@ -182,6 +185,20 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
                prefetched_over_resident=row["prefetched"] / row["resident"],
                prefetched_over_floor=row["prefetched"] / max(row["resident"], bound) if bound else None)
     return row
+
+
+def resident_timeline(model, kv, tokens, positions, table, tails) -> dict:
+    """One more resident step (untimed above): ms from its start to when the host had queued it
+    (decode returned) and to its end on the device. Queued close to the end: the host bounds the step."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    model.decode(kv, tokens, positions, table, tails)
+    end.record()
+    enqueued_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return {"step_enqueued_ms": enqueued_s * 1e3, "step_end_ms": start.elapsed_time(end)}
 
 
 def prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails) -> dict:
@@ -265,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             t = r["timeline"]
             print(f"    timeline (ms from step start): load call returned {t['load_call_ms']:.2f}, step enqueued "
                   f"{t['step_enqueued_ms']:.2f}, layers landed {[round(x, 2) for x in t['layer_landed_ms']]}, "
-                  f"attention started {[round(x, 2) for x in t['attention_start_ms']]}, end {t['step_end_ms']:.2f}",
+                  f"attention started {[round(x, 2) for x in t['attention_start_ms']]}, end {t['step_end_ms']:.2f}; "
+                  f"resident step: enqueued {t['resident']['step_enqueued_ms']:.2f}, end {t['resident']['step_end_ms']:.2f}",
                   flush=True)
     report = {"meta": meta, "model": repr(model.config), "h2d_gbps": h2d / 1e9 if h2d else None, "ttft": ttft_rows, "decode": decode_rows}
     if args.json:

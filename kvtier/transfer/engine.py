@@ -12,6 +12,9 @@ Ordering rules every engine keeps:
   queued on the caller's stream, which may still read a slot just handed out again), and
   records one completion per layer; `Ticket.wait_layer(i)` orders the caller's current
   stream after layer i only.
+- `reload_layers` (engines with `reloads_layers`) copies only some layers, on the same stream
+  as `reload`, so a pool can queue a large load's first layer chunk by chunk and its other
+  layers after; its ticket's `wait_layer` of a layer it does not copy orders nothing.
 - `device_copy` likewise writes only after the caller's queued work; its source and
   destination slots are disjoint.
 - Destination slots never repeat within one call. Readers wait on the ticket (`wait`,

@@ -36,6 +36,10 @@ predates sm_89 for a converting format). A reload with a user
 ReloadTransform runs per layer (the transform is Python between layers): per-layer kernel
 launches and events. `last_path` and `last_launch` say what the latest transfer used.
 
+reload_layers (a pool's load of several chunks: each chunk's first layer as it is booked, then
+the other layers of all chunks) runs per layer on the reload stream, whatever the path: one
+kernel launch (or one batch of copy-engine copies, or torch copies) and one event per layer.
+
 Ordering (engine.py's rules): offload waits on `ready`; reload waits on `ready` (the
 destination slots may still be read by attention queued on the caller's stream);
 device_copy waits on the caller's current stream. Every launch and every sequence number on
