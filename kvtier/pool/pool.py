@@ -38,6 +38,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 from prometheus_client import REGISTRY
 
@@ -568,7 +569,8 @@ class TieredPool(Movement, TierRoom):
         if pending:
             # Every chunk's first layer is queued: now the other layers of all of them, in layer order.
             rest = engine.reload_layers(
-                [s for srcs, _, _, _ in pending for s in srcs], [s for _, targets, _, _ in pending for s in targets],
+                np.concatenate([np.asarray(srcs, dtype=np.int64) for srcs, _, _, _ in pending]),
+                np.concatenate([np.asarray(targets, dtype=np.int64) for _, targets, _, _ in pending]),
                 range(1, num_layers), ready=ready,
             )
             tickets.append(rest)
