@@ -14,6 +14,7 @@ import torch
 from kvtier import TieredPool, prefix_keys
 from kvtier.pool import pool as pool_module
 from kvtier.transfer import TorchEngine
+from kvtier.transfer.engine import layer_runs
 from tests.conftest import fill_random, poison, small_format, snapshot
 from tests.deferred_engine import DeferredEngine
 
@@ -269,3 +270,12 @@ def test_a_split_load_orders_each_layer_after_exactly_its_own_copies(registry, g
     assert pool.match(keys).device == 100
     _check_indexes(pool)
     pool.close()
+
+
+@pytest.mark.parametrize("layers", [range(1, 2), range(1, 4), range(0, 9), range(1, 32), range(1, 92), range(5, 6)])
+def test_layer_runs_cover_each_layer_once_in_order(layers):
+    """A subset reload's runs: contiguous, in order, every layer once, at most 8, near-equal."""
+    runs = layer_runs(layers, 8)
+    assert [layer for run in runs for layer in run] == list(layers)
+    assert len(runs) == min(8, len(layers)) and all(run.step == 1 and len(run) for run in runs)
+    assert max(map(len, runs)) - min(map(len, runs)) <= 1

@@ -161,3 +161,13 @@ def check_layers(layers: range, num_layers: int) -> None:
     """`layers` must be a non-empty step-1 range inside [0, num_layers)."""
     if not isinstance(layers, range) or layers.step != 1 or not layers or layers.start < 0 or layers.stop > num_layers:
         raise ValueError(f"layers must be a non-empty range inside [0, {num_layers}) with step 1, got {layers!r}")
+
+
+def layer_runs(layers: range, most: int) -> list[range]:
+    """`layers` cut into at most `most` contiguous runs of near-equal length, in order: a
+    subset reload's launches (and readiness events), so its host cost stays bounded at any
+    layer count."""
+    n = len(layers)
+    k = max(1, min(n, most))
+    bounds = [layers.start + (n * j) // k for j in range(k + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -19,6 +19,7 @@ from kvtier.format.codec import expand_scales
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import TorchEngine, native
 from kvtier.transfer.cuda import driver as cuda_driver
+from kvtier.transfer.cuda import engine as cuda_engine_module
 from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
 from kvtier.transfer.cuda_engine import CudaEngine
 from tests.gpu.random_tiers import fill_random
@@ -221,12 +222,15 @@ def test_reload_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
         tiers.close()
 
 
+@pytest.mark.parametrize("runs", [8, 1])
 @pytest.mark.parametrize("fmt,path", CASES)
-def test_reload_layers_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
-    """A split load's two calls: the first layer, then the others; after each, exactly the layers
-    copied so far match the twin (the rest still poison), and each ticket is done."""
+def test_reload_layers_matches_cpu_twin(fmt: PageFormat, path: str, runs: int, monkeypatch) -> None:
+    """A split load's two calls: the first layer, then the others (one launch a layer, or with
+    LAYER_RUNS 1 one launch for all of them); after each, exactly the layers copied so far match
+    the twin (the rest still poison), and each ticket is done."""
     if fmt.num_layers < 2:
         pytest.skip("one layer: nothing to split")
+    monkeypatch.setattr(cuda_engine_module, "LAYER_RUNS", runs)
     rng = np.random.default_rng(3)
     tiers = Tiers(fmt, seed=300)
     count = int(rng.integers(2, 40))

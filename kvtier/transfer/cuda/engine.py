@@ -37,8 +37,9 @@ ReloadTransform runs per layer (the transform is Python between layers): per-lay
 launches and events. `last_path` and `last_launch` say what the latest transfer used.
 
 reload_layers (a pool's load of several chunks: each chunk's first layer as it is booked, then
-the other layers of all chunks) runs per layer on the reload stream, whatever the path: one
-kernel launch (or one batch of copy-engine copies, or torch copies) and one event per layer.
+the other layers of all chunks) runs on the reload stream in at most LAYER_RUNS runs of layers,
+one kernel launch (or one batch of copy-engine copies) and one event a run (torch copies and
+user transforms: a run is one layer).
 
 Ordering (engine.py's rules): offload waits on `ready`; reload waits on `ready` (the
 destination slots may still be read by attention queued on the caller's stream);
@@ -66,8 +67,11 @@ from kvtier.transfer.cuda.plans import THREADS
 from kvtier.transfer.cuda.staged_path import staged_reload
 from kvtier.transfer.cuda.tickets import EventTicket, FlagTicket, LayerEventTicket, StreamLane
 from kvtier.transfer.cuda.torch_path import TorchPath
-from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine, check_layers
+from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine, check_layers, layer_runs
 
+# A subset reload (reload_layers) takes at most this many launches and events: a split load's
+# other layers land in runs of L/8 layers at 32 or 92 layers, one layer each at 8 or fewer.
+LAYER_RUNS = 8
 # Batches up to this many slots are checked in plain Python (faster than numpy's per-call
 # overhead); longer ones with numpy.
 SMALL_BATCH = 256
@@ -291,6 +295,9 @@ class CudaEngine(TransferEngine):
         stream = self.reload_stream
         host_idx, dev_idx = np.asarray(host, dtype=np.int64), np.asarray(dev, dtype=np.int64)
         keep: list = []
+        # One launch (or batch of copies) and one event a run of layers; a user transform runs
+        # between layers, so then a run is one layer.
+        runs = layer_runs(layers, LAYER_RUNS) if self.transform is None else [range(i, i + 1) for i in layers]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if path == "kernel":
                 lane = self.reload_lane
@@ -302,26 +309,25 @@ class CudaEngine(TransferEngine):
                     buffer.dst[:count] = dev
                     keep.append(buffer)
                     events = []
-                    for layer in layers:
-                        self.kernels.submit("reload", lane, buffer, count, 0, layers=range(layer, layer + 1))
-                        events.append(self.land_layer(stream, layer, dev_idx))
+                    for run in runs:
+                        self.kernels.submit("reload", lane, buffer, count, 0, layers=run)
+                        events.append(self.land_layer(stream, run[-1], dev_idx))
             else:
                 if ready is not None:
                     self.wait_ready(stream, None, ready)
                 if path == "copy_engine":
                     events = []
-                    for layer in layers:
-                        self.copy_engine.copy(
-                            stream.cuda_stream, self.copy_engine.pieces("reload", range(layer, layer + 1), host_idx, dev_idx)
-                        )
-                        events.append(self.land_layer(stream, layer, dev_idx))
+                    for run in runs:
+                        self.copy_engine.copy(stream.cuda_stream, self.copy_engine.pieces("reload", run, host_idx, dev_idx))
+                        events.append(self.land_layer(stream, run[-1], dev_idx))
                 else:  # torch (or staged, which has no per-layer form): plain torch copies of those layers
+                    runs = [range(i, i + 1) for i in layers]
                     slots = torch.from_numpy(dev_idx).pin_memory().to(self.device, non_blocking=True)
                     keep.append(slots)
                     events = self.torch_path.reload(
                         slots, host_idx, keep, lambda layer: self.land_layer(stream, layer, dev_idx), layers=layers
                     )
-        return LayerEventTicket(events, layers, fmt.num_layers, self.device, tuple(keep), self._retired)
+        return LayerEventTicket(events, runs, fmt.num_layers, self.device, tuple(keep), self._retired)
 
     def device_copy(self, src_slots, dst_slots) -> Ticket:
         """Device pages -> other device slots, ordered after the caller's current stream."""
