@@ -491,10 +491,10 @@ class TieredPool(Movement, TierRoom):
         before it: their pages lose their keys at once and their slots are freed when their copies land.
 
         With an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
-        more than one chunk's keys, each chunk copies only its first layer as it is booked, and the other layers of every
-        chunk follow in one call after the last chunk, layer by layer: the whole load's first
-        layer lands after 1/L of its bytes, not near the end as when each chunk moves every layer,
-        so attention over layer i overlaps the copies of the layers after it.
+        more than one chunk's keys, each chunk copies only its first layer as it is booked, and the
+        other layers of every chunk follow in one call after the last chunk, in layer order: the
+        whole load's first layer lands after 1/L of its bytes, not near the end as when each chunk
+        moves every layer, so attention over layer i overlaps the copies of the layers after it.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
