@@ -3,8 +3,8 @@
 # PCIe bound)) before and after splitting large loads by layer, in one GPU call of about 3 minutes.
 # Each part is fail-soft under its own `timeout` and writes JSON into ${OUT:-/tmp}:
 #   base      (only with BASE=<a checkout of the old code>) its decode_ttft.py --quick
-#   split     this tree's decode_ttft.py --quick --decode-only, with a per-layer timeline of one step
-#   ce        the same on the copy engines (--copy-path copy_engine): the copies use no SM
+#   split     this tree's decode_ttft.py --quick (TTFT rows too), with a per-layer timeline of one step
+#   ce        its decode rows on the copy engines (--copy-path copy_engine --decode-only): copies use no SM
 #
 #     OUT=/some/dir BASE=/path/to/old/checkout scripts/issue24_decode_overlap.sh
 set -uo pipefail
@@ -29,8 +29,8 @@ part() {  # part NAME SECONDS COMMAND...
 if [[ -n "${BASE:-}" ]]; then
     part base 75 env PYTHONPATH="$BASE" "$PYTHON" "$BASE/benchmarks/decode_ttft.py" --quick --json "$OUT/decode_base.json"
 fi
-part split 50 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --decode-only --json "$OUT/decode_split.json"
-part ce 50 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --decode-only --copy-path copy_engine \
+part split 75 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --json "$OUT/decode_split.json"
+part ce 45 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --decode-only --copy-path copy_engine \
     --json "$OUT/decode_copy_engine.json"
 if ((${#failed[@]})); then
     echo "failed parts: ${failed[*]}"
