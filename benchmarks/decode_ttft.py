@@ -23,7 +23,11 @@ Decode step: B sequences of C tokens each, one new token each:
 Without CUDA it runs the CPU twin (tiny model, torch copy engine, Triton interpreter), whose
 times say nothing about a GPU.
 
-    PYTHONPATH=. python3 benchmarks/decode_ttft.py [--quick] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/decode_ttft.py [--quick] [--decode-only] [--copy-path PATH] [--json out.json]
+
+With CUDA each decode row also prints one more prefetched step's timeline (CUDA events): when
+the host's load call returned, when each layer's pages had landed, when each layer's attention
+could start, and the step's end, all in ms from the step's start.
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ GPU_MODEL = DecoderConfig(vocab=32000, hidden=4096, layers=4, q_heads=32, kv_hea
 CPU_MODEL = DecoderConfig(vocab=256, hidden=128, layers=2, q_heads=4, kv_heads=2, head_dim=64, ffn=256)
 
 
-def make_pool(model: TinyDecoder, device_pages: int, host_pages: int):
+def make_pool(model: TinyDecoder, device_pages: int, host_pages: int, copy_path: str = "auto"):
     fmt = model.config.page_format(PAGE, dtype="fp8_e4m3", scale="per_token_head")
     kv = PagedKV(fmt, device_pages, model.device)
     pool = TieredPool(fmt, host_pages=host_pages, write_policy="write_through", registry=CollectorRegistry(),
-                      **kv.pool_args())
+                      copy_path=copy_path, **kv.pool_args())
     return kv, pool
 
 
@@ -119,10 +123,10 @@ def h2d_rate(nbytes: int, cuda: bool) -> float | None:
 
 
 def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen: torch.Generator, cuda: bool,
-                h2d: float | None) -> dict:
+                h2d: float | None, copy_path: str = "auto") -> dict:
     c, vocab = model.config, model.config.vocab
     per_seq = context // PAGE
-    kv, pool = make_pool(model, batch * (per_seq + 1) + 1, batch * (per_seq + 1) + 1)
+    kv, pool = make_pool(model, batch * (per_seq + 1) + 1, batch * (per_seq + 1) + 1, copy_path)
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(batch)]
     step = {"resident": [], "prefetched": []}
     with pool:
@@ -155,6 +159,7 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
         model.decode(kv, tokens, positions, table, tails)
         for _ in range(repeats):
             step["resident"].append(timed(lambda: model.decode(kv, tokens, positions, table, tails)))
+        resident_enqueue = resident_timeline(model, kv, tokens, positions, table, tails) if cuda else None
         pool.release(held)
         landed: list[list[int]] = []
 
@@ -168,20 +173,80 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
             step["prefetched"].append(timed(prefetched))
             pool.release(landed.pop())
         step["prefetched"].pop(0)
+        timeline = prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails) if cuda else None
+        if timeline:
+            timeline["resident"] = resident_enqueue
         pool.release(new_pages)
     row = {name: statistics.median(v) for name, v in step.items()}
     nbytes = len(flat) * pool.fmt.page_bytes
     bound = nbytes / h2d if h2d else None
-    row.update(batch=batch, context=context, bytes=nbytes, pcie_bound=bound,
+    row.update(batch=batch, context=context, bytes=nbytes, pcie_bound=bound, copy_path=copy_path,
+               reload_path=getattr(pool.engine, "last_path", pool.engine.name), timeline=timeline,
                prefetched_over_resident=row["prefetched"] / row["resident"],
                prefetched_over_floor=row["prefetched"] / max(row["resident"], bound) if bound else None)
     return row
+
+
+def resident_timeline(model, kv, tokens, positions, table, tails) -> dict:
+    """One more resident step (untimed above): ms from its start to when the host had queued it
+    (decode returned) and to its end on the device. Queued close to the end: the host bounds the step."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    model.decode(kv, tokens, positions, table, tails)
+    end.record()
+    enqueued_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return {"step_enqueued_ms": enqueued_s * 1e3, "step_end_ms": start.elapsed_time(end)}
+
+
+def prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails) -> dict:
+    """One more prefetched step (untimed above), with events: ms from the step's start on the
+    compute stream to when the host's `load` call returned (host clock), to when each layer's
+    pages had landed (a side stream waiting on that layer alone), to when each layer's attention
+    could start (the compute stream past wait_layer(i)), and to the step's end."""
+    pool.evict(tier="device", keys=flat)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    new_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    start, end = new_event(), new_event()
+    landed = [new_event() for _ in range(model.config.layers)]
+    attention = [new_event() for _ in range(model.config.layers)]
+    t0 = time.perf_counter()
+    start.record()
+    handle = pool.load(flat)
+    load_s = time.perf_counter() - t0
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer, event in enumerate(landed):
+            handle.wait_layer(layer)
+            event.record(side)
+
+    def wait_layer(layer: int) -> None:
+        handle.wait_layer(layer)
+        attention[layer].record()
+
+    model.decode(kv, tokens, positions, table_of(handle.slots), tails, wait_layer=wait_layer)
+    end.record()
+    enqueued_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    pool.release(handle.slots)
+    return {
+        "load_call_ms": load_s * 1e3,
+        "step_enqueued_ms": enqueued_s * 1e3,
+        "layer_landed_ms": [start.elapsed_time(e) for e in landed],
+        "attention_start_ms": [start.elapsed_time(e) for e in attention],
+        "step_end_ms": start.elapsed_time(end),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8k and 32k prefixes; two decode shapes")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--copy-path", default="auto", help="the pool's copy path: auto, kernel, copy_engine, torch")
+    ap.add_argument("--decode-only", action="store_true", help="skip the TTFT rows")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     gen = torch.Generator().manual_seed(0)
@@ -202,17 +267,24 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         print(f"pinned host-to-device copy: {h2d / 1e9:.1f} GB/s", flush=True)
     ttft_rows = []
-    for prefix in prefixes:
+    for prefix in () if args.decode_only else prefixes:
         ttft_rows.append(ttft(model, prefix, repeats, gen, cuda))
         r = ttft_rows[-1]
         print(f"  TTFT {prefix} tokens: recompute {r['recompute'] * 1e3:.1f} ms, host hit {r['host'] * 1e3:.1f} ms, "
               f"resident {r['resident'] * 1e3:.1f} ms", flush=True)
     decode_rows = []
     for batch, context in shapes:
-        decode_rows.append(decode_step(model, batch, context, repeats, gen, cuda, h2d))
+        decode_rows.append(decode_step(model, batch, context, repeats, gen, cuda, h2d, args.copy_path))
         r = decode_rows[-1]
         print(f"  decode batch {batch} context {context}: resident {r['resident'] * 1e3:.2f} ms, "
-              f"prefetched {r['prefetched'] * 1e3:.2f} ms", flush=True)
+              f"prefetched {r['prefetched'] * 1e3:.2f} ms (reload path {r['reload_path']})", flush=True)
+        if r["timeline"]:
+            t = r["timeline"]
+            print(f"    timeline (ms from step start): load call returned {t['load_call_ms']:.2f}, step enqueued "
+                  f"{t['step_enqueued_ms']:.2f}, layers landed {[round(x, 2) for x in t['layer_landed_ms']]}, "
+                  f"attention started {[round(x, 2) for x in t['attention_start_ms']]}, end {t['step_end_ms']:.2f}; "
+                  f"resident step: enqueued {t['resident']['step_enqueued_ms']:.2f}, end {t['resident']['step_end_ms']:.2f}",
+                  flush=True)
     report = {"meta": meta, "model": repr(model.config), "h2d_gbps": h2d / 1e9 if h2d else None, "ttft": ttft_rows, "decode": decode_rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -15,8 +15,9 @@ from kvtier.transfer import Ticket, TorchEngine
 
 
 class DeferredTicket(Ticket):
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, layers: range | None = None) -> None:
         self.num_layers = num_layers
+        self.layers = range(num_layers) if layers is None else layers  # what the copy moves
         self.landed = threading.Event()
         self.failed: list[int] = []
 
@@ -32,7 +33,8 @@ class DeferredTicket(Ticket):
     def wait_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
-        self.landed.wait()
+        if layer in self.layers:
+            self.landed.wait()
 
     def failed_positions(self) -> list[int]:
         return list(self.failed)
@@ -47,8 +49,8 @@ class DeferredEngine(TorchEngine):
         self._lock = threading.Lock()
         self.submitted = threading.Semaphore(0)  # released once per queued copy
 
-    def _defer(self, run) -> DeferredTicket:
-        ticket = DeferredTicket(self.fmt.num_layers)
+    def _defer(self, run, layers: range | None = None) -> DeferredTicket:
+        ticket = DeferredTicket(self.fmt.num_layers, layers)
         with self._lock:
             self._queue.append((ticket, run))
         self.submitted.release()
@@ -66,6 +68,10 @@ class DeferredEngine(TorchEngine):
     def reload(self, host_slots, device_slots, ready=None):
         host_slots, device_slots = list(host_slots), list(device_slots)
         return self._defer(lambda ticket: TorchEngine.reload(self, host_slots, device_slots))
+
+    def reload_layers(self, host_slots, device_slots, layers, ready=None):
+        host_slots, device_slots = list(host_slots), list(device_slots)
+        return self._defer(lambda ticket: TorchEngine.reload_layers(self, host_slots, device_slots, layers), layers)
 
     def device_copy(self, src_slots, dst_slots):
         src_slots, dst_slots = list(src_slots), list(dst_slots)

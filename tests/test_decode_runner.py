@@ -182,3 +182,21 @@ def test_workload_reuses_system_prompts():
     ranked = sorted(counts.values(), reverse=True)
     # Zipf weights 1/rank: the hottest prompt takes about 1/H(8) = 37% of requests, the coldest 5%.
     assert ranked[0] > 0.25 * 400 and ranked[-1] < 0.1 * 400
+
+
+def test_host_hits_loaded_with_split_layers_match_all_resident(model, monkeypatch):
+    """Host hits of several chunks (one page a chunk here): each chunk's first layer, then the
+    other layers of all of them, each waited for just before its layer's attention; the logits
+    are those of the all-resident run, bit for bit."""
+    from kvtier.pool import pool as pool_module
+
+    requests = workload()
+    resident, _ = run(model, requests, scale="per_token_head")
+    monkeypatch.setattr(pool_module, "_FIRST_CHUNK", 1)
+    offloaded, stats = run(model, requests, scale="per_token_head", device_pages=10, host_pages=64)
+    assert stats["hits"]["host"] > 0 and stats["bytes_moved"]["host_to_device"] > 0
+    for a, b in zip(resident, offloaded):
+        assert a.hit.total == b.hit.total and a.tokens == b.tokens
+        for la, lb in zip(a.logits, b.logits):
+            assert torch.isfinite(la).all()
+            assert torch.equal(la, lb)

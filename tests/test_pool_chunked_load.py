@@ -9,26 +9,38 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from kvtier import TieredPool, prefix_keys
 from kvtier.pool import pool as pool_module
 from kvtier.transfer import TorchEngine
-from tests.conftest import fill_random, small_format, snapshot
+from kvtier.transfer.engine import layer_runs
+from tests.conftest import fill_random, poison, small_format, snapshot
 from tests.deferred_engine import DeferredEngine
 
 LIVENESS_S = 30
 
 
 class CountingEngine(TorchEngine):
-    """The torch twin, remembering how many pages each reload it was given moved."""
+    """The torch twin, remembering how many pages each reload it was given moved: `reloads`
+    for whole reloads and a split load's first-layer chunks, `rests` (pages, layers) for the
+    other layers of a split load."""
 
     def __init__(self, device_tier, host_tier) -> None:
         super().__init__(device_tier, host_tier)
         self.reloads: list[int] = []
+        self.rests: list[tuple[int, range]] = []
 
     def reload(self, host_slots, device_slots, ready=None):
         self.reloads.append(len(device_slots))
         return super().reload(host_slots, device_slots, ready)
+
+    def reload_layers(self, host_slots, device_slots, layers, ready=None):
+        if layers.start == 0:
+            self.reloads.append(len(device_slots))
+        else:
+            self.rests.append((len(device_slots), layers))
+        return super().reload_layers(host_slots, device_slots, layers, ready)
 
 
 def _pool(registry, engine, device_pages=200, host_pages=300, policy="write_through"):
@@ -67,6 +79,8 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     # with those (a tail shorter than half the next chunk): the device pages are in the first
     # chunk, so it reloads 22 pages, the second 138.
     assert pool.engine.reloads == [first - 10, 170 - first]
+    # Each chunk copied its first layer; the other layers of all 160 follow in one call.
+    assert pool.engine.rests == [(160, range(1, pool.fmt.num_layers))]
     assert 170 - first - first * growth < first * growth * growth // 2
     for layer in range(pool.fmt.num_layers):
         handle.wait_layer(layer)
@@ -90,6 +104,7 @@ def test_chunks_stop_growing_at_the_chunk_bytes(registry, gen, monkeypatch):
     pool.engine.reloads.clear()
     handle = pool.load(keys)
     assert pool.engine.reloads == [32, 50, 50, 38]
+    assert pool.engine.rests == [(170, range(1, pool.fmt.num_layers))]
     handle.synchronize()
     assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
     pool.release(handle.slots)
@@ -187,3 +202,80 @@ def test_a_chunk_that_needs_pages_copied_down_first_waits_in_the_general_path(re
     assert pool.stats()["states"]["device"]["loading"] == 0
     _check_indexes(pool)
     pool.close()
+
+
+def _layer_bytes(pool, slots, layer):
+    """Exact bytes of one layer (every plane, data and scales) of device `slots`."""
+    dev, fmt = pool.device_tier, pool.fmt
+    idx = torch.as_tensor(slots, dtype=torch.int64)
+    out = b"".join(dev.raw_plane(layer, plane)[idx].numpy().tobytes() for plane in range(fmt.planes))
+    if dev.has_scales:
+        out += b"".join(dev.scale_plane(layer, plane)[idx].numpy().tobytes() for plane in range(fmt.planes))
+    return out
+
+
+def test_a_split_load_orders_each_layer_after_exactly_its_own_copies(registry, gen):
+    """A load of several chunks: each chunk's first layer is queued as the chunk is booked, the
+    other layers of all chunks after the last one. wait_layer(0) returns once every chunk's first
+    layer landed, while layers 1.. are still poison; wait_layer(i > 0) waits for the rest; each
+    waiter (its own thread) then reads its layer bit-exact."""
+    pool = _pool(registry, DeferredEngine)
+    engine, layers = pool.engine, pool.fmt.num_layers
+    assert layers > 1
+    keys = prefix_keys(np.arange(100), 1, pool.namespace)
+    stop, lander = _landing(engine)
+    try:
+        expected_pages = _write(pool, keys, gen)
+    finally:
+        stop.set()
+        lander.join(LIVENESS_S)
+    pool.evict(tier="device")
+    poison(pool, list(range(pool.device_tier.num_pages)))
+    while engine.submitted.acquire(timeout=0):
+        pass
+    handle = pool.load(keys)
+    # 32 pages, then the other 68 (a tail under half of 128 joins): two first-layer copies, one for the rest.
+    assert engine.pending() == 3
+    poisoned = {layer: _layer_bytes(pool, handle.slots, layer) for layer in range(layers)}
+    seen: dict[int, tuple[int, bytes]] = {}
+    landed = [0]
+
+    def waiter(layer):
+        handle.wait_layer(layer)
+        seen[layer] = (landed[0], _layer_bytes(pool, handle.slots, layer))
+
+    threads = [threading.Thread(target=waiter, args=(layer,)) for layer in range(layers)]
+    for t in threads:
+        t.start()
+    landed[0] = engine.land(1)  # the first chunk's first layer: no layer is whole yet
+    threads[0].join(0.05)
+    assert threads[0].is_alive() and not seen
+    landed[0] += engine.land(1)  # the second chunk's first layer: layer 0 is whole, nothing else
+    threads[0].join(LIVENESS_S)
+    assert not threads[0].is_alive() and seen[0][0] == 2
+    for layer in range(1, layers):
+        assert _layer_bytes(pool, handle.slots, layer) == poisoned[layer], f"layer {layer} copied with layer 0"
+        assert threads[layer].is_alive()
+    landed[0] += engine.land(1)  # the other layers of all 100 pages
+    for t in threads:
+        t.join(LIVENESS_S)
+        assert not t.is_alive()
+    assert all(seen[layer][0] == 3 for layer in range(1, layers))
+    handle.synchronize()
+    assert handle.done()
+    assert all(snapshot(pool, s) == expected_pages[k] for k, s in zip(keys, handle.slots))
+    for layer in range(layers):  # what each waiter read is its layer's final, bit-exact bytes
+        assert seen[layer][1] == _layer_bytes(pool, handle.slots, layer) != poisoned[layer]
+    pool.release(handle.slots)
+    assert pool.match(keys).device == 100
+    _check_indexes(pool)
+    pool.close()
+
+
+@pytest.mark.parametrize("layers", [range(1, 2), range(1, 4), range(0, 9), range(1, 32), range(1, 92), range(5, 6)])
+def test_layer_runs_cover_each_layer_once_in_order(layers):
+    """A subset reload's runs: contiguous, in order, every layer once, at most 8, near-equal."""
+    runs = layer_runs(layers, 8)
+    assert [layer for run in runs for layer in run] == list(layers)
+    assert len(runs) == min(8, len(layers)) and all(run.step == 1 and len(run) for run in runs)
+    assert max(map(len, runs)) - min(map(len, runs)) <= 1

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 from prometheus_client import REGISTRY
 
@@ -58,7 +59,7 @@ from kvtier.pool.remote_link import RemoteLink
 from kvtier.pool.room import TierRoom
 from kvtier.pool.signal import ChangeSignal
 from kvtier.tiers import DeviceTier, HostTier
-from kvtier.transfer import ReloadTransform, Ticket, TorchEngine
+from kvtier.transfer import JoinedTicket, ReloadTransform, Ticket, TorchEngine
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -488,6 +489,12 @@ class TieredPool(Movement, TierRoom):
         chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes start moving
         after one small chunk of Python. A chunk that finds a key it cannot load now cancels the chunks
         before it: their pages lose their keys at once and their slots are freed when their copies land.
+
+        With an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
+        more than one chunk's keys, each chunk copies only its first layer as it is booked, and the
+        other layers of every chunk follow in one call after the last chunk, in layer order: the
+        whole load's first layer lands after 1/L of its bytes, not near the end as when each chunk
+        moves every layer, so attention over layer i overlaps the copies of the layers after it.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
@@ -497,6 +504,10 @@ class TieredPool(Movement, TierRoom):
         pinned: list[int] = []  # device pages held where they are
         started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
         ready = None
+        num_layers = self.fmt.num_layers
+        # Split only loads of several chunks: one chunk's copy (one launch on CUDA) already lands layer by layer.
+        split = getattr(engine, "reloads_layers", False) and num_layers > 1 and len(ids) > _FIRST_CHUNK
+        pending: list[tuple[list[int], list[int], Ticket, list[bool]]] = []  # split: (srcs, targets, first layer, flags)
         pos, chunk = 0, _FIRST_CHUNK
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         while pos < len(ids):
@@ -520,7 +531,7 @@ class TieredPool(Movement, TierRoom):
             if src_ids:
                 srcs = hget_many(src_ids)
                 if min(srcs) < 0 or not all(map(readable.__getitem__, map(hstate.__getitem__, srcs))):
-                    self._cancel_load_now(pinned, started)
+                    self._cancel_load_now(pinned, started, pending)
                     return None
             pos = end
             n = len(srcs)
@@ -533,24 +544,41 @@ class TieredPool(Movement, TierRoom):
                     self._make_device_room(n - len(dev.free))
                 if n > len(dev.free):  # dirty pages are being copied down first (or it can never fit): general path
                     self._release_host(srcs)
-                    self._cancel_load_now(pinned, started)
+                    self._cancel_load_now(pinned, started, pending)
                     return None
             targets = dev.take_bound(src_ids)
             if ready is None:
                 ready = engine.record_ready()
-            ticket = engine.reload(srcs, targets, ready=ready)
-            landing.update(dict.fromkeys(targets, ticket))
             if type(src_pos) is range:
                 out[src_pos.start : src_pos.stop] = targets
             else:
                 for i, slot in zip(src_pos, targets):
                     out[i] = slot
             flags = [False, False]  # cancelled, landed
+            if split:
+                ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
+                started.append((targets, ticket, flags))
+                pending.append((srcs, targets, ticket, flags))
+                continue
+            ticket = engine.reload(srcs, targets, ready=ready)
+            landing.update(dict.fromkeys(targets, ticket))
             started.append((targets, ticket, flags))
             self._submit(ticket, self._landed(srcs, targets, ticket, flags))
         tickets = list({landing[s] for s in pinned if s in landing}) if landing else []
         tickets += [ticket for _, ticket, _ in started]
-        return LoadHandle(tickets, self.fmt.num_layers, out)
+        if pending:
+            # Every chunk's first layer is queued: now the other layers of all of them, in layer order.
+            rest = engine.reload_layers(
+                np.concatenate([np.asarray(srcs, dtype=np.int64) for srcs, _, _, _ in pending]),
+                np.concatenate([np.asarray(targets, dtype=np.int64) for _, targets, _, _ in pending]),
+                range(1, num_layers), ready=ready,
+            )
+            tickets.append(rest)
+            for srcs, targets, first, flags in pending:
+                joined = JoinedTicket([first, rest], num_layers)
+                landing.update(dict.fromkeys(targets, joined))
+                self._submit(joined, self._landed(srcs, targets, joined, flags))
+        return LoadHandle(tickets, num_layers, out)
 
     def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
         """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
@@ -568,10 +596,13 @@ class TieredPool(Movement, TierRoom):
 
         return finish
 
-    def _cancel_load_now(self, pinned: list[int], started: list) -> None:
+    def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
         """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
-        copying unkeyed and unheld (freed when they land)."""
+        copying unkeyed and unheld (freed when they land). pending: chunks that copy their first
+        layer only (split loads), whose landing is watched from here on."""
         dev, landing = self._dev, self._dev_landing
+        for srcs, targets, first, flags in pending:
+            self._submit(first, self._landed(srcs, targets, first, flags))
         for slot in pinned:
             dev.unpin(slot)
         for targets, ticket, flags in started:

@@ -12,6 +12,9 @@ Ordering rules every engine keeps:
   queued on the caller's stream, which may still read a slot just handed out again), and
   records one completion per layer; `Ticket.wait_layer(i)` orders the caller's current
   stream after layer i only.
+- `reload_layers` (engines with `reloads_layers`) copies only some layers, on the same stream
+  as `reload`, so a pool can queue a large load's first layer chunk by chunk and its other
+  layers after; its ticket's `wait_layer` of a layer it does not copy orders nothing.
 - `device_copy` likewise writes only after the caller's queued work; its source and
   destination slots are disjoint.
 - Destination slots never repeat within one call. Readers wait on the ticket (`wait`,
@@ -90,6 +93,35 @@ class DoneTicket(Ticket):
         return list(self._failed)
 
 
+class JoinedTicket(Ticket):
+    """Several copies as one: done when all are, waits on each (a part's `wait_layer` of a
+    layer it does not copy orders nothing)."""
+
+    def __init__(self, parts: list[Ticket], num_layers: int) -> None:
+        self.parts = parts
+        self.num_layers = num_layers
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.parts)
+
+    def synchronize(self) -> None:
+        for t in self.parts:
+            t.synchronize()
+
+    def wait(self) -> None:
+        for t in self.parts:
+            t.wait()
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        for t in self.parts:
+            t.wait_layer(layer)
+
+    def failed_positions(self) -> list[int]:
+        return [p for t in self.parts for p in t.failed_positions()]
+
+
 class TransferEngine(ABC):
     """Moves whole pages between the device tier and the host tier."""
 
@@ -103,6 +135,16 @@ class TransferEngine(ABC):
     def reload(self, host_slots: list[int], device_slots: list[int], ready: object | None = None) -> Ticket:
         """Copy host records into device pages layer by layer (upcasting when it converts)."""
 
+    # Engines that can copy a subset of a reload's layers set this and implement reload_layers.
+    reloads_layers = False
+
+    def reload_layers(self, host_slots: list[int], device_slots: list[int], layers: range, ready: object | None = None) -> Ticket:
+        """Copy only `layers` of host records into device pages, layer by layer, on the same
+        stream as `reload` (so calls land in the order they were made). The ticket covers
+        those layers: `wait_layer(i)` for a layer outside them orders nothing, `done()` says
+        they landed. Engines with `reloads_layers` False do not implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reload a subset of layers")
+
     @abstractmethod
     def device_copy(self, src_slots: list[int], dst_slots: list[int]) -> Ticket:
         """Copy device pages to other device slots (all layers, planes and scales)."""
@@ -113,3 +155,19 @@ class TransferEngine(ABC):
 
     def close(self) -> None:
         """Release streams and staging memory."""
+
+
+def check_layers(layers: range, num_layers: int) -> None:
+    """`layers` must be a non-empty step-1 range inside [0, num_layers)."""
+    if not isinstance(layers, range) or layers.step != 1 or not layers or layers.start < 0 or layers.stop > num_layers:
+        raise ValueError(f"layers must be a non-empty range inside [0, {num_layers}) with step 1, got {layers!r}")
+
+
+def layer_runs(layers: range, most: int) -> list[range]:
+    """`layers` cut into at most `most` contiguous runs of near-equal length, in order: a
+    subset reload's launches (and readiness events), so its host cost stays bounded at any
+    layer count."""
+    n = len(layers)
+    k = max(1, min(n, most))
+    bounds = [layers.start + (n * j) // k for j in range(k + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -14,7 +14,7 @@ import torch
 
 from kvtier.format import dequantize, quantize
 from kvtier.tiers import DeviceTier, HostTier
-from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine
+from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine, check_layers
 
 
 class TorchEngine(TransferEngine):
@@ -54,11 +54,20 @@ class TorchEngine(TransferEngine):
                     host.scale_view(layer, plane)[hi] = dev.scale_plane(layer, plane).index_select(0, di).to(host.buffer.device)
         return DoneTicket(fmt.num_layers, failed)
 
+    reloads_layers = True
+
     def reload(self, host_slots: list[int], device_slots: list[int], ready: object | None = None) -> Ticket:
+        return self._reload_pages(host_slots, device_slots, range(self.fmt.num_layers))
+
+    def reload_layers(self, host_slots: list[int], device_slots: list[int], layers: range, ready: object | None = None) -> Ticket:
+        check_layers(layers, self.fmt.num_layers)
+        return self._reload_pages(host_slots, device_slots, layers)
+
+    def _reload_pages(self, host_slots: list[int], device_slots: list[int], layers: range) -> Ticket:
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
         di = self._index(device_slots, dev.device)
         hi = self._index(host_slots, host.buffer.device)
-        for layer in range(fmt.num_layers):
+        for layer in layers:
             for plane in range(fmt.planes):
                 if fmt.converts:
                     q = host.data_view(layer, plane).index_select(0, hi)

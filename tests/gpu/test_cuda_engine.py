@@ -19,6 +19,7 @@ from kvtier.format.codec import expand_scales
 from kvtier.tiers import DeviceTier, HostTier
 from kvtier.transfer import TorchEngine, native
 from kvtier.transfer.cuda import driver as cuda_driver
+from kvtier.transfer.cuda import engine as cuda_engine_module
 from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
 from kvtier.transfer.cuda_engine import CudaEngine
 from tests.gpu.random_tiers import fill_random
@@ -219,6 +220,40 @@ def test_reload_matches_cpu_twin(fmt: PageFormat, path: str) -> None:
         assert ticket.done()
         engine.close()
         tiers.close()
+
+
+@pytest.mark.parametrize("runs", [8, 1])
+@pytest.mark.parametrize("fmt,path", CASES)
+def test_reload_layers_matches_cpu_twin(fmt: PageFormat, path: str, runs: int, monkeypatch) -> None:
+    """A split load's two calls: the first layer, then the others (one launch a layer, or with
+    LAYER_RUNS 1 one launch for all of them); after each, exactly the layers copied so far match
+    the twin (the rest still poison), and each ticket is done."""
+    if fmt.num_layers < 2:
+        pytest.skip("one layer: nothing to split")
+    monkeypatch.setattr(cuda_engine_module, "LAYER_RUNS", runs)
+    rng = np.random.default_rng(3)
+    tiers = Tiers(fmt, seed=300)
+    count = int(rng.integers(2, 40))
+    hslots = _batch(rng, count, HOST_PAGES, False)
+    dslots = _batch(rng, count, DEVICE_PAGES, False)
+    tiers.poison_device()
+    engine = CudaEngine(tiers.dev, tiers.host, path=path)
+    twin = TorchEngine(tiers.cpu_dev, tiers.cpu_host)
+    tickets = []
+    for layers in (range(1), range(1, fmt.num_layers)):
+        ticket = engine.reload_layers(hslots, dslots, layers, ready=engine.record_ready())
+        for layer in layers:
+            ticket.wait_layer(layer)  # the comparisons below read on the current stream
+        twin.reload_layers(hslots, dslots, layers)
+        _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, f"reload_layers {path} {layers} pages")
+        if fmt.device_has_scales:
+            _assert_bytes_equal(tiers.dev.scales, tiers.cpu_dev.scales, f"reload_layers {path} {layers} scales")
+        tickets.append(ticket)
+    for ticket in tickets:
+        ticket.synchronize()
+        assert ticket.done()
+    engine.close()
+    tiers.close()
 
 
 @pytest.mark.parametrize("fmt", [pytest.param(f, id=f.describe()) for f in CONVERTING])

@@ -36,6 +36,11 @@ predates sm_89 for a converting format). A reload with a user
 ReloadTransform runs per layer (the transform is Python between layers): per-layer kernel
 launches and events. `last_path` and `last_launch` say what the latest transfer used.
 
+reload_layers (a pool's load of several chunks: each chunk's first layer as it is booked, then
+the other layers of all chunks) runs on the reload stream in at most LAYER_RUNS runs of layers,
+one kernel launch (or one batch of copy-engine copies) and one event a run (torch copies and
+user transforms: a run is one layer).
+
 Ordering (engine.py's rules): offload waits on `ready`; reload waits on `ready` (the
 destination slots may still be read by attention queued on the caller's stream);
 device_copy waits on the caller's current stream. Every launch and every sequence number on
@@ -60,10 +65,13 @@ from kvtier.transfer.cuda.kernel_path import KernelPath
 from kvtier.transfer.cuda.path_choice import PATHS
 from kvtier.transfer.cuda.plans import THREADS
 from kvtier.transfer.cuda.staged_path import staged_reload
-from kvtier.transfer.cuda.tickets import EventTicket, FlagTicket, StreamLane
+from kvtier.transfer.cuda.tickets import EventTicket, FlagTicket, LayerEventTicket, StreamLane
 from kvtier.transfer.cuda.torch_path import TorchPath
-from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine
+from kvtier.transfer.engine import DoneTicket, ReloadTransform, Ticket, TransferEngine, check_layers, layer_runs
 
+# A subset reload (reload_layers) takes at most this many launches and events: a split load's
+# other layers land in runs of L/8 layers at 32 or 92 layers, one layer each at 8 or fewer.
+LAYER_RUNS = 8
 # Batches up to this many slots are checked in plain Python (faster than numpy's per-call
 # overhead); longer ones with numpy.
 SMALL_BATCH = 256
@@ -266,6 +274,60 @@ class CudaEngine(TransferEngine):
                     )
                     events.append(self.land_layer(stream, layer, dev_idx))
         return EventTicket(events, fmt.num_layers, self.device, tuple(keep), self._retired)
+
+    reloads_layers = True
+
+    def reload_layers(self, host_slots, device_slots, layers: range, ready=None) -> Ticket:
+        """Only `layers` of host records -> device pages, on the reload stream (after any earlier
+        reload), one launch or copy and one event per layer; waits on `ready` first, if given."""
+        fmt = self.fmt
+        check_layers(layers, fmt.num_layers)
+        if len(layers) == fmt.num_layers:
+            return self.reload(host_slots, device_slots, ready)
+        host = self._slots("host", host_slots, self.host_tier.num_pages, unique=False)
+        dev = self._slots("device", device_slots, self.device_tier.num_pages, unique=True)
+        count = self._same_length(host, dev)
+        if count == 0:
+            return DoneTicket(fmt.num_layers)
+        self._reap()
+        path = self._choose(converts=fmt.converts, count=count, calls=len(layers), staged_ok=False)
+        self.last_path = path
+        stream = self.reload_stream
+        host_idx, dev_idx = np.asarray(host, dtype=np.int64), np.asarray(dev, dtype=np.int64)
+        keep: list = []
+        # One launch (or batch of copies) and one event a run of layers; a user transform runs
+        # between layers, so then a run is one layer.
+        runs = layer_runs(layers, LAYER_RUNS) if self.transform is None else [range(i, i + 1) for i in layers]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if path == "kernel":
+                lane = self.reload_lane
+                with lane.lock:
+                    if ready is not None:
+                        self.wait_ready(lane.stream, lane.cu_stream, ready)
+                    buffer = lane.buffer(count)
+                    buffer.src[:count] = host
+                    buffer.dst[:count] = dev
+                    keep.append(buffer)
+                    events = []
+                    for run in runs:
+                        self.kernels.submit("reload", lane, buffer, count, 0, layers=run)
+                        events.append(self.land_layer(stream, run[-1], dev_idx))
+            else:
+                if ready is not None:
+                    self.wait_ready(stream, None, ready)
+                if path == "copy_engine":
+                    events = []
+                    for run in runs:
+                        self.copy_engine.copy(stream.cuda_stream, self.copy_engine.pieces("reload", run, host_idx, dev_idx))
+                        events.append(self.land_layer(stream, run[-1], dev_idx))
+                else:  # torch (or staged, which has no per-layer form): plain torch copies of those layers
+                    runs = [range(i, i + 1) for i in layers]
+                    slots = torch.from_numpy(dev_idx).pin_memory().to(self.device, non_blocking=True)
+                    keep.append(slots)
+                    events = self.torch_path.reload(
+                        slots, host_idx, keep, lambda layer: self.land_layer(stream, layer, dev_idx), layers=layers
+                    )
+        return LayerEventTicket(events, runs, fmt.num_layers, self.device, tuple(keep), self._retired)
 
     def device_copy(self, src_slots, dst_slots) -> Ticket:
         """Device pages -> other device slots, ordered after the caller's current stream."""

@@ -275,3 +275,19 @@ class EventTicket(Ticket):
         # outlive it, so it goes to the engine's `retired` queue until the last event fires.
         if self._keepalive:
             self._retired.append((self.layer_events[-1], self._keepalive))
+
+
+class LayerEventTicket(EventTicket):
+    """A copy of some layers only (`reload_layers`): one event per run of layers, in order (a
+    layer is ready at its run's event); `wait_layer` of a layer outside them orders nothing."""
+
+    def __init__(self, run_events: list, runs: list, num_layers: int, device, keepalive: tuple, retired) -> None:
+        super().__init__(run_events, num_layers, device, keepalive, retired)
+        self._by_layer = {layer: event for run, event in zip(runs, run_events) for layer in run}
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        event = self._by_layer.get(layer)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)

@@ -70,9 +70,11 @@ class TorchPath:
             staged.append(staging)
         return staged, failed
 
-    def reload(self, device_slots: torch.Tensor, host_idx: np.ndarray, keep: list, land_layer) -> list:
-        """Queue the reload on the current stream; land_layer(layer) after each layer's last chunk."""
+    def reload(self, device_slots: torch.Tensor, host_idx: np.ndarray, keep: list, land_layer, layers: range | None = None) -> list:
+        """Queue the reload of `layers` (None: all) on the current stream; land_layer(layer) after
+        each layer's last chunk."""
         fmt, dev, host = self.fmt, self.device_tier, self.host_tier
+        layers = range(fmt.num_layers) if layers is None else layers
         chunk = self._staging_chunk()
         starts = list(range(0, host_idx.size, chunk))
         events = []
@@ -83,7 +85,7 @@ class TorchPath:
             for first, slot, run in slot_runs(host_idx[start : start + chunk]):
                 staging[first : first + run].copy_(host.buffer[slot : slot + run], non_blocking=True)
             keep.append(staging)
-            for layer in range(fmt.num_layers):
+            for layer in layers:
                 for plane in range(fmt.planes):
                     data_at = fmt.data_offset(layer, plane)
                     raw = staging[:, data_at : data_at + fmt.plane_elems * fmt.elem_bytes]
