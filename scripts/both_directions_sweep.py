@@ -74,6 +74,30 @@ KERNEL_VARIANTS = {
 QUICK_KERNEL_VARIANTS = ("cur", "u8", "t512", "se")
 
 
+def compile_variant(capability: tuple[int, int], defines: dict) -> bytes:
+    """native/page_copy.cu as kvtier.transfer.native compiles it (source text with includes inlined,
+    COMPILE_OPTIONS, the GPU's architecture) plus -D overrides: a cubin, or NUL-terminated PTX
+    where NVRTC does not know the GPU. Needs no GPU (the CPU check compiles every variant)."""
+    from cuda.bindings import nvrtc
+
+    from kvtier.transfer import native
+
+    arch, cubin = native.target(capability)
+    program, = native._nvrtc_check(
+        nvrtc, nvrtc.nvrtcCreateProgram(native.source("page_copy").encode(), b"page_copy.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in native.COMPILE_OPTIONS),
+                   *(f"-D{k}={v}".encode() for k, v in defines.items())]
+        native._nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(program, len(options), options), f"compiling page_copy.cu {defines}", program)
+        size_call, get_call = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if cubin else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        size, = native._nvrtc_check(nvrtc, size_call(program), "size")
+        image = b" " * size
+        native._nvrtc_check(nvrtc, get_call(program, image), "image")
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    return image if cubin else image.rstrip(b"\0 ") + b"\0"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
@@ -87,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer variants and reps (a smoke run)")
     parser.add_argument("--no-gate", action="store_true", help="do not hold the streams until everything is enqueued")
     parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument("--compile-check", metavar="SM", default="",
+                        help="no GPU: compile every kernel variant with NVRTC for sm_SM (e.g. 90) and exit")
     return parser.parse_args(argv)
 
 
@@ -119,8 +145,8 @@ class Sweep:
         self.dev = torch.empty(2 * self.bytes_per_dir, dtype=torch.uint8, device=self.device)
         self.host = torch.empty(2 * self.bytes_per_dir, dtype=torch.uint8, pin_memory=True)
         gen = torch.Generator(device=self.device).manual_seed(args.seed)
-        self.dev.random_(0, 256, generator=gen)
-        self.host.copy_(torch.empty_like(self.dev).random_(0, 256, generator=gen))
+        self.dev.random_(generator=gen)
+        self.host.copy_(torch.empty_like(self.dev).random_(generator=gen))
         torch.cuda.synchronize()
         self.host_alias = self.drv.host_device_pointer(self.host.data_ptr())
         self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
@@ -130,12 +156,27 @@ class Sweep:
         self.gate_alias = self.drv.host_device_pointer(self.gate.data_ptr())
         self.gate_seq = 0
         self.lanes = [self._lane() for _ in self.streams]
+        self.gate_note = "off (--no-gate)" if args.no_gate else self._try_gate()
         self.modules: dict[str, object] = {}
         self.functions: dict[tuple[str, str], int] = {}
         self.occupancy: dict[tuple[str, str], int] = {}
         self.runtime = None
         self.ce_attributes: dict[bool, object] = {}
         self.layout = None
+
+    def _try_gate(self) -> str:
+        """Hold a stream on the gate once; where stream memory operations fail, time without it."""
+        try:
+            self.gate_seq += 1
+            try:
+                self.drv.wait_value(self.streams[0].cuda_stream, self.gate_alias, self.gate_seq)
+            finally:
+                self.gate_np[0] = self.gate_seq
+            self.streams[0].synchronize()
+            return "on"
+        except Exception as error:  # noqa: BLE001 - the sweep still runs, submission inside the times
+            self.args.no_gate = True
+            return f"off ({error!r})"
 
     # --- per-stream signals (as the engine's lanes) ------------------------------------------
     def _lane(self) -> dict:
@@ -178,24 +219,8 @@ class Sweep:
 
     def _compile(self, defines: dict):
         """native/page_copy.cu (the text kvtier compiles) built by NVRTC with kvtier's options plus -D overrides."""
-        from cuda.bindings import nvrtc
-
-        native, cu, np = self.native, self.cu, self.np
-        arch, cubin = native.target(self.capability)
-        program, = native._nvrtc_check(
-            nvrtc, nvrtc.nvrtcCreateProgram(native.source("page_copy").encode(), b"page_copy.cu", 0, [], []), "nvrtcCreateProgram")
-        try:
-            options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in native.COMPILE_OPTIONS),
-                       *(f"-D{k}={v}".encode() for k, v in defines.items())]
-            native._nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(program, len(options), options), f"compiling page_copy.cu {defines}", program)
-            size_call, get_call = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if cubin else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
-            size, = native._nvrtc_check(nvrtc, size_call(program), "size")
-            image = b" " * size
-            native._nvrtc_check(nvrtc, get_call(program, image), "image")
-        finally:
-            nvrtc.nvrtcDestroyProgram(program)
-        if not cubin:
-            image = image.rstrip(b"\0 ") + b"\0"
+        cu, np = self.cu, self.np
+        image = compile_variant(self.capability, defines)
         error, device = cu.cuDeviceGet(self.device.index)
         error, context = cu.cuDevicePrimaryCtxRetain(device)
         cu.cuCtxPushCurrent(context)
@@ -419,6 +444,17 @@ class Sweep:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_check:
+        capability = (int(args.compile_check[:-1]), int(args.compile_check[-1]))
+        failed = 0
+        for name, defines in KERNEL_VARIANTS.items():
+            try:
+                image = compile_variant(capability, defines or {})
+                print(f"{name:<8} {defines or '(defaults)'}: {len(image)} B")
+            except Exception as error:  # noqa: BLE001
+                failed += 1
+                print(f"{name:<8} {defines}: FAILED {error}")
+        return 1 if failed else 0
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / "both_directions_sweep.json"
@@ -441,6 +477,7 @@ def main(argv=None) -> int:
     import torch
 
     report["gpu"] = {"name": sweep.gpu, "sms": sweep.sms, "capability": list(sweep.capability), "torch": torch.__version__}
+    report["gate"] = sweep.gate_note
     try:
         import cuda.bindings
 
@@ -493,7 +530,7 @@ def main(argv=None) -> int:
 
     lane_of = {"offload": 0, "reload": 1}
     print(f"# {sweep.gpu}, {sweep.sms} SMs, {args.mib} MiB per direction per call, {args.layers} layers x 2 planes, "
-          f"median of {args.reps}", flush=True)
+          f"median of {args.reps}, gate {sweep.gate_note}", flush=True)
     for piece in sizes:
         key = f"{piece // KIB}KiB"
         entry: dict = {"limits": {}, "variants": {}}
