@@ -238,6 +238,8 @@ class Sweep:
         np, torch = self.np, self.torch
         record = self.layers * self.planes * piece
         n = self.bytes_per_dir // record
+        if n < 1:
+            raise ValueError(f"a page of {record} bytes is more than --mib {self.args.mib}: raise --mib")
         slots = 2 * n
         rng = np.random.default_rng(self.args.seed + piece)
         dev_perm, host_perm = rng.permutation(slots), rng.permutation(slots)
@@ -538,6 +540,7 @@ def main(argv=None) -> int:
         try:
             lay = sweep.set_piece(piece)
             entry["pages"], entry["pieces_per_direction"] = lay["pages"], lay["pages"] * args.layers * 2
+            moved = lay["pages"] * lay["record"]  # bytes of one direction's call (bytes_dir where it divides)
         except Exception as error:  # noqa: BLE001
             entry["error"] = repr(error)
             report["errors"].append({"size": key, "error": repr(error), "trace": traceback.format_exc()})
@@ -568,9 +571,9 @@ def main(argv=None) -> int:
                 sweep.check({op: (lane_of[op], call) for op, call in calls.items()})
                 result["bit_exact"] = True
                 if kind == "sym":
-                    result["offload"] = sweep.measure([(0, calls["offload"])], bytes_dir)
-                    result["reload"] = sweep.measure([(1, calls["reload"])], bytes_dir)
-                result["both"] = sweep.measure([(0, calls["offload"]), (1, calls["reload"])], 2 * bytes_dir)
+                    result["offload"] = sweep.measure([(0, calls["offload"])], moved)
+                    result["reload"] = sweep.measure([(1, calls["reload"])], moved)
+                result["both"] = sweep.measure([(0, calls["offload"]), (1, calls["reload"])], 2 * moved)
                 if limit_both:
                     result["both_x_limit"] = result["both"]["gbps"] / limit_both
             except Exception as error:  # noqa: BLE001 - fail soft per variant
