@@ -543,6 +543,7 @@ def main(argv=None) -> int:
             moved = lay["pages"] * lay["record"]  # bytes of one direction's call (bytes_dir where it divides)
         except Exception as error:  # noqa: BLE001
             entry["error"] = repr(error)
+            print(f"\n## piece {key}: ERROR {error!r}", flush=True)
             report["errors"].append({"size": key, "error": repr(error), "trace": traceback.format_exc()})
             save()
             continue
