@@ -26,7 +26,15 @@
 
 #include "page_signal.cu"
 
+// KVTIER_COPY_UNROLL and KVTIER_COPY_STORE_EACH may be set with -D by measurement sweeps
+// (scripts/both_directions_sweep.py); the engine's chunk counts assume the defaults
+// (plans.COPY_CHUNK). KVTIER_COPY_STORE_EACH 1 stores each word right after its load.
+#ifndef KVTIER_COPY_UNROLL
 #define KVTIER_COPY_UNROLL 4
+#endif
+#ifndef KVTIER_COPY_STORE_EACH
+#define KVTIER_COPY_STORE_EACH 0
+#endif
 #define KVTIER_COPY_CHUNK (KVTIER_THREADS * KVTIER_COPY_UNROLL)
 
 #define KVTIER_OFFLOAD 0
@@ -89,6 +97,10 @@ __device__ __forceinline__ void copy_chunk(const CopyArgs& a, long long layer, l
                 a, table, src_slots[page], layer, plane, byte);
             dst_at[k] = side_address<DIRECTION != KVTIER_OFFLOAD, SCALES>(a, table, dst_slots[page], layer, plane, byte);
             words[k] = *reinterpret_cast<const Word*>(src);
+            if (KVTIER_COPY_STORE_EACH) {
+                *reinterpret_cast<Word*>(dst_at[k]) = words[k];
+                dst_at[k] = nullptr;
+            }
         }
     }
 #pragma unroll

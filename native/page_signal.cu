@@ -28,7 +28,11 @@
 #ifndef KVTIER_PAGE_SIGNAL
 #define KVTIER_PAGE_SIGNAL
 
+// Overridable with -D for measurement sweeps only (scripts/both_directions_sweep.py); the
+// engine launches this block size (plans.THREADS).
+#ifndef KVTIER_THREADS
 #define KVTIER_THREADS 256
+#endif
 
 struct Signal {
     unsigned long long flags;     // int32[num_layers + 1], device alias of pinned host memory; 0: no signals
