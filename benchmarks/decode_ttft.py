@@ -54,11 +54,12 @@ GPU_MODEL = DecoderConfig(vocab=32000, hidden=4096, layers=4, q_heads=32, kv_hea
 CPU_MODEL = DecoderConfig(vocab=256, hidden=128, layers=2, q_heads=4, kv_heads=2, head_dim=64, ffn=256)
 
 
-def make_pool(model: TinyDecoder, device_pages: int, host_pages: int, copy_path: str = "auto"):
+def make_pool(model: TinyDecoder, device_pages: int, host_pages: int, copy_path: str = "auto",
+              layer_ordered_loads: bool = False):
     fmt = model.config.page_format(PAGE, dtype="fp8_e4m3", scale="per_token_head")
     kv = PagedKV(fmt, device_pages, model.device)
     pool = TieredPool(fmt, host_pages=host_pages, write_policy="write_through", registry=CollectorRegistry(),
-                      copy_path=copy_path, **kv.pool_args())
+                      copy_path=copy_path, layer_ordered_loads=layer_ordered_loads, **kv.pool_args())
     return kv, pool
 
 
@@ -123,10 +124,10 @@ def h2d_rate(nbytes: int, cuda: bool) -> float | None:
 
 
 def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen: torch.Generator, cuda: bool,
-                h2d: float | None, copy_path: str = "auto") -> dict:
+                h2d: float | None, copy_path: str = "auto", layer_ordered_loads: bool = False) -> dict:
     c, vocab = model.config, model.config.vocab
     per_seq = context // PAGE
-    kv, pool = make_pool(model, batch * (per_seq + 1) + 1, batch * (per_seq + 1) + 1, copy_path)
+    kv, pool = make_pool(model, batch * (per_seq + 1) + 1, batch * (per_seq + 1) + 1, copy_path, layer_ordered_loads)
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(batch)]
     step = {"resident": [], "prefetched": []}
     with pool:
@@ -181,6 +182,7 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
     nbytes = len(flat) * pool.fmt.page_bytes
     bound = nbytes / h2d if h2d else None
     row.update(batch=batch, context=context, bytes=nbytes, pcie_bound=bound, copy_path=copy_path,
+               layer_ordered_loads=layer_ordered_loads,
                reload_path=getattr(pool.engine, "last_path", pool.engine.name), timeline=timeline,
                prefetched_over_resident=row["prefetched"] / row["resident"],
                prefetched_over_floor=row["prefetched"] / max(row["resident"], bound) if bound else None)
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--copy-path", default="auto", help="the pool's copy path: auto, kernel, copy_engine, torch")
     ap.add_argument("--decode-only", action="store_true", help="skip the TTFT rows")
+    ap.add_argument("--layer-ordered-loads", action="store_true",
+                    help="the pool's layer_ordered_loads: every chunk's first layer first, then the others")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     gen = torch.Generator().manual_seed(0)
@@ -274,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
               f"resident {r['resident'] * 1e3:.1f} ms", flush=True)
     decode_rows = []
     for batch, context in shapes:
-        decode_rows.append(decode_step(model, batch, context, repeats, gen, cuda, h2d, args.copy_path))
+        decode_rows.append(decode_step(model, batch, context, repeats, gen, cuda, h2d, args.copy_path,
+                                       args.layer_ordered_loads))
         r = decode_rows[-1]
         print(f"  decode batch {batch} context {context}: resident {r['resident'] * 1e3:.2f} ms, "
               f"prefetched {r['prefetched'] * 1e3:.2f} ms (reload path {r['reload_path']})", flush=True)

@@ -29,8 +29,8 @@ part() {  # part NAME SECONDS COMMAND...
 if [[ -n "${BASE:-}" ]]; then
     part base 75 env PYTHONPATH="$BASE" "$PYTHON" "$BASE/benchmarks/decode_ttft.py" --quick --json "$OUT/decode_base.json"
 fi
-part split 75 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --json "$OUT/decode_split.json"
-part ce 45 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --decode-only --copy-path copy_engine \
+part split 75 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --layer-ordered-loads --json "$OUT/decode_split.json"
+part ce 45 env PYTHONPATH=. "$PYTHON" benchmarks/decode_ttft.py --quick --decode-only --layer-ordered-loads --copy-path copy_engine \
     --json "$OUT/decode_copy_engine.json"
 if ((${#failed[@]})); then
     echo "failed parts: ${failed[*]}"

@@ -38,11 +38,11 @@ def workload(requests=6, new_tokens=5):
 
 
 def run(model, requests, *, path="fp8", scale="per_page_head", layout="nhd", device_pages=200, host_pages=None,
-        remote=None, batch=2):
+        remote=None, batch=2, layer_ordered_loads=False):
     fmt = CONFIG.page_format(PAGE, scale=scale, layout=layout, device_dtype="bf16" if path == "bf16" else None)
     kv = PagedKV(fmt, device_pages, DEVICE)
     pool = TieredPool(fmt, host_pages=host_pages or device_pages, remote=remote, registry=CollectorRegistry(),
-                      **kv.pool_args())
+                      layer_ordered_loads=layer_ordered_loads, **kv.pool_args())
     with pool:
         out = DecodeRunner(model, kv, pool, keep_logits=True).run(requests, batch)
         return out, pool.stats()
@@ -193,7 +193,8 @@ def test_host_hits_loaded_with_split_layers_match_all_resident(model, monkeypatc
     requests = workload()
     resident, _ = run(model, requests, scale="per_token_head")
     monkeypatch.setattr(pool_module, "_FIRST_CHUNK", 1)
-    offloaded, stats = run(model, requests, scale="per_token_head", device_pages=10, host_pages=64)
+    offloaded, stats = run(model, requests, scale="per_token_head", device_pages=10, host_pages=64,
+                           layer_ordered_loads=True)
     assert stats["hits"]["host"] > 0 and stats["bytes_moved"]["host_to_device"] > 0
     for a, b in zip(resident, offloaded):
         assert a.hit.total == b.hit.total and a.tokens == b.tokens

@@ -43,9 +43,11 @@ class CountingEngine(TorchEngine):
         return super().reload_layers(host_slots, device_slots, layers, ready)
 
 
-def _pool(registry, engine, device_pages=200, host_pages=300, policy="write_through"):
+def _pool(registry, engine, device_pages=200, host_pages=300, policy="write_through", ordered=True):
+    """Layer-ordered loads on unless `ordered` is False: most tests here cover that path."""
     return TieredPool(small_format(page_size=1), device_pages=device_pages, host_pages=host_pages,
-                      write_policy=policy, engine=engine, registry=registry, background_copies=False)
+                      write_policy=policy, engine=engine, registry=registry, background_copies=False,
+                      layer_ordered_loads=ordered)
 
 
 def _write(pool, keys, gen, flush=True):
@@ -67,8 +69,9 @@ def _check_indexes(pool):
     pool._host.check()
 
 
-def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, gen):
-    pool = _pool(registry, CountingEngine)
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, gen, ordered):
+    pool = _pool(registry, CountingEngine, ordered=ordered)
     keys = prefix_keys(np.arange(170), 1, pool.namespace)
     expected = _write(pool, keys, gen)
     pool.evict(keys=keys[10:])  # 10 stay on the device, 160 come from the host
@@ -79,8 +82,9 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     # with those (a tail shorter than half the next chunk): the device pages are in the first
     # chunk, so it reloads 22 pages, the second 138.
     assert pool.engine.reloads == [first - 10, 170 - first]
-    # Each chunk copied its first layer; the other layers of all 160 follow in one call.
-    assert pool.engine.rests == [(160, range(1, pool.fmt.num_layers))]
+    # Layer-ordered: each chunk copied its first layer; the other layers of all 160 follow in
+    # one call. Otherwise each chunk copied every layer.
+    assert pool.engine.rests == ([(160, range(1, pool.fmt.num_layers))] if ordered else [])
     assert 170 - first - first * growth < first * growth * growth // 2
     for layer in range(pool.fmt.num_layers):
         handle.wait_layer(layer)
@@ -91,6 +95,11 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     assert pool.match(keys).device == 170
     _check_indexes(pool)
     pool.close()
+
+
+def test_layer_ordered_loads_must_be_a_bool(registry):
+    with pytest.raises(TypeError, match="layer_ordered_loads"):
+        _pool(registry, CountingEngine, ordered=1)
 
 
 def test_chunks_stop_growing_at_the_chunk_bytes(registry, gen, monkeypatch):

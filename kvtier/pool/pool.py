@@ -155,6 +155,11 @@ class TieredPool(Movement, TierRoom):
     returns (True, the default: commit costs only its own bookkeeping, and the copy's work runs
     while the engine's thread waits on the GPU), or inside commit (False: better for a caller
     that never blocks, where a second thread only competes for the GIL).
+    layer_ordered_loads: a load of several chunks copies every chunk's first layer first, then
+    the other layers layer by layer (with an engine that copies a subset of layers), so layer 0
+    lands after about 1/L of the bytes; off by default: on an H100 host it cost a 256-page load
+    twice the host time and 0.75x of PCIe against 0.89x, and a prefetched decode step did not gain
+    (BENCHMARKS.md, "Time to first token and prefetched decode").
     """
 
     def __init__(
@@ -185,6 +190,7 @@ class TieredPool(Movement, TierRoom):
         background_copies: bool = True,
         remote_create: bool = False,
         cluster: str | Mapping | ClusterSettings | None = None,
+        layer_ordered_loads: bool = False,
     ) -> None:
         if not isinstance(fmt, PageFormat):
             raise TypeError(f"fmt must be a PageFormat, got {type(fmt).__name__}")
@@ -196,6 +202,9 @@ class TieredPool(Movement, TierRoom):
                 raise ValueError(f"host_bytes must be an int of at least one page ({fmt.page_bytes} bytes), got {host_bytes!r}")
             host_pages = host_bytes // fmt.page_bytes
         check_copy_path(copy_path)
+        if not isinstance(layer_ordered_loads, bool):
+            raise TypeError(f"layer_ordered_loads must be a bool, got {layer_ordered_loads!r}")
+        self._layer_ordered_loads = layer_ordered_loads
         check_positive(remote_queue_depth, "remote_queue_depth", integer=True)
         check_positive(close_timeout_s, "close_timeout_s")
         check_positive(remote_batch_bytes, "remote_batch_bytes", integer=True)
@@ -490,7 +499,7 @@ class TieredPool(Movement, TierRoom):
         after one small chunk of Python. A chunk that finds a key it cannot load now cancels the chunks
         before it: their pages lose their keys at once and their slots are freed when their copies land.
 
-        With an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
+        With layer_ordered_loads, an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
         more than one chunk's keys, each chunk copies only its first layer as it is booked, and the
         other layers of every chunk follow in one call after the last chunk, in layer order: the
         whole load's first layer lands after 1/L of its bytes, not near the end as when each chunk
@@ -506,7 +515,8 @@ class TieredPool(Movement, TierRoom):
         ready = None
         num_layers = self.fmt.num_layers
         # Split only loads of several chunks: one chunk's copy (one launch on CUDA) already lands layer by layer.
-        split = getattr(engine, "reloads_layers", False) and num_layers > 1 and len(ids) > _FIRST_CHUNK
+        split = (self._layer_ordered_loads and getattr(engine, "reloads_layers", False)
+                 and num_layers > 1 and len(ids) > _FIRST_CHUNK)
         pending: list[tuple[list[int], list[int], Ticket, list[bool]]] = []  # split: (srcs, targets, first layer, flags)
         pos, chunk = 0, _FIRST_CHUNK
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
