@@ -28,6 +28,7 @@ for its direction (the NIXL path carries the fault seam).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -64,13 +65,15 @@ class SmallReads:
         self.slot_stride = slot_stride
         self._blocks = threading.local()
 
-    def _block(self) -> tuple[memoryview, int]:
-        """This thread's aligned block of one slot: (view, address)."""
+    def _block(self) -> tuple[memoryview, int, memoryview]:
+        """This thread's aligned block of one slot: (view, address, view of its first
+        ``page_bytes``)."""
         found = getattr(self._blocks, "block", None)
         if found is None:
             block = mmap.mmap(-1, self.slot_stride)  # page aligned, as O_DIRECT needs
-            found = self._blocks.block = (block, memoryview(block), block_address(block))
-        return found[1], found[2]
+            whole = memoryview(block)
+            found = self._blocks.block = (block, whole, block_address(block), whole[: self.page_bytes])
+        return found[1], found[2], found[3]
 
     def read(
         self, ids: Sequence[bytes], located: Located, wanted: list[int], readable: list[int],
@@ -110,13 +113,14 @@ class SmallReads:
             views = [view(p, n) for p, n in zip(ptrs, lens)]
             self._preadv(fd, direct_fd, views, payload_off, self.page_bytes)
             return self._codec.verify(key, self.page_bytes, loc.token, loc.crc, header, views)
-        block_view, address = self._block()
+        block_view, address, payload = self._block()
         self._preadv(fd, direct_fd, [block_view], payload_off, self.page_bytes)
-        if not self._codec.verify(
-            key, self.page_bytes, loc.token, loc.crc, header, [view(address, self.page_bytes)]
-        ):
+        if not self._codec.verify(key, self.page_bytes, loc.token, loc.crc, header, [payload]):
             return False
-        pages.scatter(page, address)
+        if len(ptrs) == 1:
+            ctypes.memmove(ptrs[0], address, self.page_bytes)
+        else:
+            pages.scatter(page, address)
         return True
 
     @staticmethod
@@ -146,13 +150,15 @@ class SmallWrites:
         self.slot_stride = slot_stride
         self._blocks = threading.local()
 
-    def _block(self) -> tuple[memoryview, int]:
-        """This thread's aligned block of one slot, zeroed past ``page_bytes``: (view, address)."""
+    def _block(self) -> tuple[memoryview, int, memoryview]:
+        """This thread's aligned block of one slot, zeroed past ``page_bytes``: (view, address,
+        view of its first ``page_bytes``)."""
         found = getattr(self._blocks, "block", None)
         if found is None:
             block = mmap.mmap(-1, self.slot_stride)  # page aligned and zeroed, as O_DIRECT needs
-            found = self._blocks.block = (block, memoryview(block), block_address(block))
-        return found[1], found[2]
+            whole = memoryview(block)
+            found = self._blocks.block = (block, whole, block_address(block), whole[: self.page_bytes])
+        return found[1], found[2], found[3]
 
     def write(
         self, ids: Sequence[bytes], tokens: Sequence[int], located: Located, writable: list[int],
@@ -198,9 +204,12 @@ class SmallWrites:
             crc, header = self._codec.seal(key, self.page_bytes, token, views)
             self._pwritev(fd, direct_fd, views, payload_off, self.page_bytes)
         else:
-            block_view, address = self._block()
-            pages.gather(page, address)
-            crc, header = self._codec.seal(key, self.page_bytes, token, [view(address, self.page_bytes)])
+            block_view, address, payload = self._block()
+            if len(ptrs) == 1:
+                ctypes.memmove(address, ptrs[0], self.page_bytes)
+            else:
+                pages.gather(page, address)
+            crc, header = self._codec.seal(key, self.page_bytes, token, [payload])
             self._pwritev(fd, direct_fd, [block_view], payload_off, self.page_bytes)
         if os.pwrite(fd, header, header_off) != HEADER_BYTES:
             raise OSError(errno.EIO, "record header written short")

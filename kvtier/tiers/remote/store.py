@@ -548,7 +548,8 @@ class RemoteStore:
             self._count(write_failures=len(ids))
             return [False] * len(ids)
         slots = reservation.slots
-        self._count(evictions=reservation.evicted, rejected_writes=len(ids) - len(slots))
+        if reservation.evicted or len(slots) < len(ids):
+            self._count(evictions=reservation.evicted, rejected_writes=len(ids) - len(slots))
         published = [False] * len(ids)
         if not slots:
             return published
