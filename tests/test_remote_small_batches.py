@@ -165,3 +165,29 @@ def test_small_puts_take_spare_reservations_and_close_gives_them_back(open_store
     stats = again.stats()
     assert (stats["reserved_slots"], stats["spare_slots"], stats["pages"]) == (0, 0, count)
     assert stats["free_slots"] == 2 * SPARE_SLOTS + 2 - count  # the spares went back
+
+
+@pytest.mark.parametrize("offset", [0, 64])
+def test_a_small_put_stays_in_the_page_cache_and_a_small_get_reads_it_there_or_from_the_device(open_store, offset):
+    """A small put writes through the page cache (its payload stays resident); a small get
+    reads it back exactly from there, and once the cache is dropped from the device with
+    O_DIRECT (which leaves nothing resident)."""
+    from test_remote_direct_io import drop_cache, resident_bytes
+    from test_remote_store import record_offsets
+
+    store = open_store()
+    assert store.stats()["direct_io"] == 1
+    _region, pages = aligned_pages(2, offset)
+    fill_random(pages[:1], seed=41)
+    assert store.put(["cached"], pages[:1]) == [True]
+    path, _, payload = record_offsets(store, "cached")
+    assert resident_bytes(path, payload, PAGE) == PAGE
+    for dropped in (False, True):
+        if dropped:
+            drop_cache(path)
+            assert resident_bytes(path, payload, PAGE) == 0
+        poison(pages[1:])
+        assert store.get(["cached"], pages[1:]) == [True]
+        assert torch.equal(pages[0], pages[1])
+    assert resident_bytes(path, payload, PAGE) == 0  # the device read went around the cache
+    assert store.stats()["small_batch_reads"] == 2

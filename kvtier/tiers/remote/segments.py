@@ -33,7 +33,9 @@ unaligned pieces; the data path stages pages with unaligned pieces, so with dire
 that is the headers) to the buffered one: no 4 KiB block is reached through both, and the
 kernel keeps the two coherent for distinct blocks (a direct read writes back dirty cached
 pages of its range first, a direct write invalidates them). ``fdatasync`` of either descriptor
-makes the whole file durable.
+makes the whole file durable. The system-call route for a few records (``small_batches``)
+writes payloads through the buffered descriptor and reads them from the page cache when it
+holds them: the same kernel coherence covers those blocks, and every read is verified.
 
 A segment file is never truncated or laid out again unless the index names it or it holds no
 record: a file at a new segment's name that holds records (an index deleted, or that lost its
