@@ -772,7 +772,8 @@ class RemoteStore:
         finally:
             with self._calls:
                 self._in_flight -= 1
-                self._calls.notify_all()
+                if self._closed:  # only close waits for calls to end
+                    self._calls.notify_all()
 
     def _pages(self, buffers: Union[Sequence[Buffer], PageBuffers], count: int) -> PageBuffers:
         if not isinstance(buffers, PageBuffers):
