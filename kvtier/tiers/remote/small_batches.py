@@ -70,6 +70,7 @@ class _CacheStat(ctypes.Structure):
 
 
 # cachestat(2) (Linux 6.5): how much of a file range the page cache holds, without I/O.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16  # pieces a call takes
 _NR_CACHESTAT = 451 if os.uname().machine in ("x86_64", "aarch64") else None
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -157,12 +158,21 @@ class SmallReads:
         if direct_fd != fd and self._cached and self._resident(fd, payload_off):
             # From the page cache, which holds the whole payload (a small write leaves it
             # there); when the cached bytes do not verify, from the device below.
-            views = [view(p, n) for p, n in zip(ptrs, lens)]
-            if os.preadv(fd, views, payload_off) == self.page_bytes and self._codec.verify(
-                key, self.page_bytes, loc.token, loc.crc, header, views
-            ):
-                self.cached_reads += 1
-                return True
+            if len(ptrs) <= _IOV_MAX:
+                views = [view(p, n) for p, n in zip(ptrs, lens)]
+                if os.preadv(fd, views, payload_off) == self.page_bytes and self._codec.verify(
+                    key, self.page_bytes, loc.token, loc.crc, header, views
+                ):
+                    self.cached_reads += 1
+                    return True
+            else:  # more pieces than one system call takes: through this thread's block
+                _, address, payload = self._block()
+                if os.preadv(fd, [payload], payload_off) == self.page_bytes and self._codec.verify(
+                    key, self.page_bytes, loc.token, loc.crc, header, [payload]
+                ):
+                    pages.scatter(page, address)
+                    self.cached_reads += 1
+                    return True
         if direct_fd == fd or not any((p | n) & (SLOT_ALIGN - 1) for p, n in zip(ptrs, lens)):
             # Into the caller's pieces: buffered, or O_DIRECT where every piece is aligned.
             views = [view(p, n) for p, n in zip(ptrs, lens)]
@@ -203,6 +213,15 @@ class SmallWrites:
         self._codec = codec
         self.page_bytes = page_bytes
         self.slot_stride = slot_stride
+        self._blocks = threading.local()
+
+    def _block(self) -> tuple[int, memoryview]:
+        """This thread's block of one page: (address, view)."""
+        found = getattr(self._blocks, "block", None)
+        if found is None:
+            block = mmap.mmap(-1, self.page_bytes)
+            found = self._blocks.block = (block, block_address(block), memoryview(block))
+        return found[1], found[2]
 
     def write(
         self, ids: Sequence[bytes], tokens: Sequence[int], located: Located, writable: list[int],
@@ -242,7 +261,12 @@ class SmallWrites:
         pages: PageBuffers, page: int,
     ) -> int:
         ptrs, lens = _pieces(pages, page)
-        views = [view(p, n) for p, n in zip(ptrs, lens)]
+        if len(ptrs) <= _IOV_MAX:
+            views = [view(p, n) for p, n in zip(ptrs, lens)]
+        else:  # more pieces than one system call takes: gathered into this thread's block
+            address, payload = self._block()
+            pages.gather(page, address)
+            views = [payload]
         crc, header = self._codec.seal(key, self.page_bytes, token, views)
         got = os.pwritev(fd, views, payload_off)  # through the page cache: see the module docstring
         if got < self.page_bytes:
