@@ -3,9 +3,11 @@
 What an engine pays on its own thread for a call of 1 or 128 tiny pages, the cost that
 decides small-page latency: ``time.process_time`` (every thread of the process, so the
 checksum and read threads' share counts too) around each call, median over ``--calls``
-calls, divided by the pages of the call. Pages are warm (just written), so this is CPU, not
-the device. Each repeat opens a fresh store; gets read pages the same run wrote; every byte
-read back is compared.
+calls, divided by the pages of the call. Gets are timed alone (the destination's poisoning and
+the check of every byte read back run outside the timing), twice: pages warm (just written,
+so whatever the store left in the page cache) and cold (the page cache of the segment files
+dropped before each call, so every read reaches the device). Each repeat opens a fresh store;
+gets read pages the same run wrote.
 
 ``--nixl-floor`` also times a bare NIXL read of one page (``--page-kib``) from a registered
 file into registered memory through the POSIX backend (no index, no checksum): what any
@@ -72,26 +74,35 @@ def measure_store(directory: str, page_bytes: int, batch: int, calls: int) -> di
         put_us = cpu_us(put, calls)
         for group in position:
             store.put_ids([ids[i] for i in group], [source[i] for i in group])
-        reads = iter(groups * 2)
+        segments = os.path.join(store.directory, "segments")
 
-        def get() -> None:
-            group = next(reads)
-            dest.fill_(0)
-            if not all(store.get_ids([ids[i] for i in group], dest_pages)):
-                raise RuntimeError("get missed")
-            if not torch.equal(dest, source[group[0] : group[-1] + 1]):
-                raise RuntimeError("get returned other bytes than written")
+        def drop_cache() -> None:
+            for name in os.listdir(segments):
+                fd = os.open(os.path.join(segments, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
-        # the check and the poisoning are timed apart and taken off
-        get_us = cpu_us(get, calls)
-        check = iter(groups * 2)
+        def get_us(cold: bool) -> float:
+            """Median CPU µs of the get call alone: the poisoning, the cache drop (cold) and
+            the check run outside the timing."""
+            samples = []
+            for group in groups[:calls]:
+                dest.fill_(0)
+                if cold:
+                    drop_cache()
+                start = time.process_time()
+                found = store.get_ids([ids[i] for i in group], dest_pages)
+                samples.append((time.process_time() - start) * 1e6)
+                if not all(found):
+                    raise RuntimeError("get missed")
+                if not torch.equal(dest, source[group[0] : group[-1] + 1]):
+                    raise RuntimeError("get returned other bytes than written")
+            return statistics.median(samples)
 
-        def check_only() -> None:
-            group = next(check)
-            dest.fill_(0)
-            torch.equal(dest, source[group[0] : group[-1] + 1])
-
-        get_us -= cpu_us(check_only, calls)
+        warm_us = get_us(cold=False)
+        cold_us = get_us(cold=True)
         asked = iter(groups * 4)
         exists_us = cpu_us(lambda: store.contains_ids([ids[i] for i in next(asked)]), calls)
         stats = store.stats()
@@ -99,7 +110,8 @@ def measure_store(directory: str, page_bytes: int, batch: int, calls: int) -> di
         store.close()
     return {
         "put_us_per_page": put_us / batch,
-        "get_us_per_page": max(get_us, 0.0) / batch,
+        "get_us_per_page": warm_us / batch,
+        "cold_get_us_per_page": cold_us / batch,
         "exists_us_per_page": exists_us / batch,
         "stats": {k: v for k, v in stats.items() if isinstance(v, int)},
     }
@@ -174,12 +186,13 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"CPU µs per page, {args.page_kib} KiB pages, median of {args.repeat} runs")
-    print(f"{'batch':>6} {'get':>8} {'set':>8} {'exists':>8}")
+    print(f"{'batch':>6} {'get':>8} {'set':>8} {'exists':>8} {'cold get':>9}")
     summary = {}
     for batch, runs in results["runs"].items():
-        row = {name: statistics.median(r[f"{name}_us_per_page"] for r in runs) for name in ("get", "put", "exists")}
+        row = {name: statistics.median(r[f"{name}_us_per_page"] for r in runs)
+               for name in ("get", "put", "exists", "cold_get")}
         summary[batch] = row
-        print(f"{batch:>6} {row['get']:8.1f} {row['put']:8.1f} {row['exists']:8.2f}")
+        print(f"{batch:>6} {row['get']:8.1f} {row['put']:8.1f} {row['exists']:8.2f} {row['cold_get']:9.1f}")
     if "nixl_floor_read_us" in results:
         print(f"bare NIXL {args.page_kib} KiB read: {results['nixl_floor_read_us']:.1f} µs CPU")
     results["summary"] = summary

@@ -339,3 +339,39 @@ def test_a_release_the_database_refuses_is_done_by_the_next_reserve(tmp_path):
     assert index.stats(NS_A) == exact_counts(index, NS_A)
     index.release(again)
     index.close()
+
+
+def test_a_small_publication_replaces_frees_and_skips_exactly_as_a_large_one(tmp_path):
+    """Publications of a few pages take their own short transaction: a key published before
+    gives its previous slot back, a reservation this writer no longer owns is not published,
+    and the counters, the LRU clock and the slot states stay exact."""
+    index = open_index(tmp_path)
+    keys = fill(index, NS_A, [f"p{i}" for i in range(3)])
+    before = {key: index.lookup(NS_A, [key])[0] for key in keys}
+    fresh = key_ids(["fresh"])[0]
+    slots = reserve(index, 3).slots
+    with index._transaction() as db:  # the third reservation was reclaimed meanwhile
+        db.execute("DELETE FROM reservations WHERE seg = ? AND slot = ?", tuple(slots[2]))
+        index._free(db, [tuple(slots[2])], 0.0)
+    clock = index._meta(index._db, "clock")
+    entries = [
+        PublishEntry(keys[0], slots[0], PAGE, 11, 5),  # replaces p0
+        PublishEntry(fresh, slots[1], PAGE, 12, 6),
+        PublishEntry(keys[1], slots[2], PAGE, 13, 7),  # not ours any more: p1 stays as it was
+    ]
+    assert index.publish(NS_A, entries) == [True, True, False]
+    assert index.lookup(NS_A, [keys[0], fresh, keys[1], keys[2]]) == [
+        (slots[0].seg, slots[0].slot, PAGE, 11, 5), (slots[1].seg, slots[1].slot, PAGE, 12, 6),
+        before[keys[1]], before[keys[2]],
+    ]
+    db = index._db
+    free = set(db.execute("SELECT seg, slot FROM free_slots"))
+    assert (before[keys[0]].seg, before[keys[0]].slot) in free
+    accesses = dict(db.execute("SELECT key, last_access FROM pages WHERE key IN (?, ?)", (keys[0], fresh)))
+    assert sorted(accesses.values()) == [clock + 1, clock + 2]
+    assert index._meta(db, "clock") == clock + 2
+    assert index.stats(NS_A) == exact_counts(index, NS_A)
+    counts = exact_counts(index, NS_A)
+    used = db.execute("SELECT SUM(next_unused) FROM segments").fetchone()[0]
+    assert used == counts["store_pages"] + counts["reserved_slots"] + counts["free_slots"]
+    index.close()

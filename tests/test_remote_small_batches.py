@@ -165,3 +165,53 @@ def test_small_puts_take_spare_reservations_and_close_gives_them_back(open_store
     stats = again.stats()
     assert (stats["reserved_slots"], stats["spare_slots"], stats["pages"]) == (0, 0, count)
     assert stats["free_slots"] == 2 * SPARE_SLOTS + 2 - count  # the spares went back
+
+
+@pytest.mark.parametrize("offset", [0, 64])
+def test_a_small_put_stays_in_the_page_cache_and_a_small_get_reads_it_there_or_from_the_device(open_store, offset):
+    """A small put writes through the page cache (its payload stays resident); a small get
+    reads it back exactly from there, and once the cache is dropped from the device with
+    O_DIRECT (which leaves nothing resident)."""
+    from test_remote_direct_io import drop_cache, resident_bytes
+    from test_remote_store import record_offsets
+
+    store = open_store()
+    assert store.stats()["direct_io"] == 1
+    _region, pages = aligned_pages(2, offset)
+    fill_random(pages[:1], seed=41)
+    assert store.put(["cached"], pages[:1]) == [True]
+    path, _, payload = record_offsets(store, "cached")
+    assert resident_bytes(path, payload, PAGE) == PAGE
+    for dropped in (False, True):
+        if dropped:
+            drop_cache(path)
+            assert resident_bytes(path, payload, PAGE) == 0
+        poison(pages[1:])
+        assert store.get(["cached"], pages[1:]) == [True]
+        assert torch.equal(pages[0], pages[1])
+    assert resident_bytes(path, payload, PAGE) == 0  # the device read went around the cache
+    assert store.stats()["small_batch_reads"] == 2
+
+
+def test_a_page_of_more_pieces_than_one_system_call_takes_round_trips_through_the_small_route(open_store):
+    """A page of more pieces than IOV_MAX is gathered into (and scattered from) one block:
+    written, read from the page cache and read from the device, every byte in place."""
+    from test_remote_direct_io import drop_cache
+    from test_remote_store import record_offsets
+
+    store = open_store()
+    count = 2 * os.sysconf("SC_IOV_MAX")
+    size = PAGE // count
+    source = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
+    dest = torch.empty(2 * PAGE, dtype=torch.uint8)
+    pieces = [source[i * size : (i + 1) * size] for i in range(count)]
+    assert store.put(["many"], [pieces]) == [True]
+    for dropped in (False, True):
+        if dropped:
+            drop_cache(record_offsets(store, "many")[0])
+        dest.fill_(0xA5)
+        into = [dest[2 * i * size : (2 * i + 1) * size] for i in range(count)]  # gaps stay poisoned
+        assert store.get(["many"], [into]) == [True]
+        assert torch.equal(torch.cat(into), source)
+        assert all(bool((dest[(2 * i + 1) * size : (2 * i + 2) * size] == 0xA5).all()) for i in range(count))
+    assert store.stats()["small_batch_writes"] == 1 and store.stats()["small_batch_reads"] == 2

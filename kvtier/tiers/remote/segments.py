@@ -33,7 +33,9 @@ unaligned pieces; the data path stages pages with unaligned pieces, so with dire
 that is the headers) to the buffered one: no 4 KiB block is reached through both, and the
 kernel keeps the two coherent for distinct blocks (a direct read writes back dirty cached
 pages of its range first, a direct write invalidates them). ``fdatasync`` of either descriptor
-makes the whole file durable.
+makes the whole file durable. The system-call route for a few records (``small_batches``)
+writes payloads through the buffered descriptor and reads them from the page cache when it
+holds them: the same kernel coherence covers those blocks, and every read is verified.
 
 A segment file is never truncated or laid out again unless the index names it or it holds no
 record: a file at a new segment's name that holds records (an index deleted, or that lost its
@@ -495,31 +497,45 @@ class SegmentFiles:
 
     def _locate_few(self, slots: Sequence[SlotRef], length: int, for_write: bool) -> Located:
         """``locate`` for a few slots: the same answer, in plain Python (array setup costs more
-        than the work here)."""
-        devs, direct_devs, header_offs, payload_offs = [], [], [], []
+        than the work here). A segment already open and whole takes one ``fstat`` and no lock;
+        any other goes through ``_usable`` (which repairs, forgets, reports)."""
+        rows = []
         bad: dict[int, str] = {}
         states: dict[int, tuple] = {}
         for i, ref in enumerate(slots):
             state = states.get(ref.seg)
             if state is None:
-                reason, size = self._usable(ref.seg, for_write)
-                state = states[ref.seg] = (reason, size) + (
-                    self._segment(ref.seg) if reason is None else (0, 0, 0, 0)
-                )
-            reason, size, fd, direct, slot_stride, nslots = state
-            payload = SUPERBLOCK_BYTES + header_table_bytes(nslots) + ref.slot * slot_stride if reason is None else 0
+                state = states[ref.seg] = self._few_state(ref.seg, for_write)
+            reason, size, fd, direct, slot_stride, nslots, full = state
             if reason is not None:
                 bad[i] = reason
-            elif size < segment_file_bytes(slot_stride, nslots) and payload + length > size:
+                rows.append((fd, direct, SUPERBLOCK_BYTES + ref.slot * HEADER_BYTES, 0))
+                continue
+            payload = SUPERBLOCK_BYTES + header_table_bytes(nslots) + ref.slot * slot_stride
+            if size < full and payload + length > size:
                 bad[i] = f"segment file {self._file(ref.seg)} is cut short at {size} bytes"
-            devs.append(fd)
-            direct_devs.append(direct)
-            payload_offs.append(payload)
-            header_offs.append(SUPERBLOCK_BYTES + ref.slot * HEADER_BYTES)
-        return Located(
-            np.array(devs, dtype=np.uint64), np.array(direct_devs, dtype=np.uint64),
-            np.array(header_offs, dtype=np.uint64), np.array(payload_offs, dtype=np.uint64), bad,
-        )
+            rows.append((fd, direct, SUPERBLOCK_BYTES + ref.slot * HEADER_BYTES, payload))
+        columns = np.array(rows, dtype=np.uint64).T  # one array, its rows contiguous
+        return Located(columns[0], columns[1], columns[2], columns[3], bad)
+
+    def _few_state(self, seg: int, for_write: bool) -> tuple:
+        """(why ``seg`` cannot be used or None, file size, fd, O_DIRECT fd, slot_stride, nslots,
+        full file size) for ``_locate_few``."""
+        found = self._open.get(seg)  # a dict read: the lock guards opening and closing
+        if found is not None:
+            fd, direct, slot_stride, nslots = found[:4]
+            full = segment_file_bytes(slot_stride, nslots)
+            try:
+                info = os.fstat(fd)
+            except OSError:
+                info = None
+            if info is not None and info.st_nlink and info.st_size >= full:
+                return None, info.st_size, fd, direct, slot_stride, nslots, full
+        reason, size = self._usable(seg, for_write)
+        if reason is not None:
+            return reason, 0, 0, 0, 0, 0, 0
+        fd, direct, slot_stride, nslots = self._segment(seg)
+        return None, size, fd, direct, slot_stride, nslots, segment_file_bytes(slot_stride, nslots)
 
     def start_writeback(self, remote: np.ndarray) -> None:
         """Ask the kernel to start writing the byte range a request just dirtied, per file, so

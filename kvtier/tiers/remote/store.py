@@ -67,7 +67,9 @@ before publishing leaves only reservations, which ``RemoteIndex.reclaim`` frees 
 is dead (pid + start time on this host; a lease for other hosts): the half-written slot is never
 visible. Two writers of one key each write a fresh slot; the later publication wins and frees
 the earlier page's slot. A put of up to four pages (``small_batches``) writes its records with
-``pwritev`` and syncs them with one ``fdatasync`` per file in the same call, and takes its slots
+``pwritev`` through the page cache and syncs them with one ``fdatasync`` per file in the same
+call (a small get then finds them in the page cache), publishes them in one short transaction
+(``RemoteIndex._publish_small``), and takes its slots
 from up to ``SPARE_SLOTS`` that an earlier small put reserved in its own reservation transaction
 (at most 1/64 of the capacity; never evicting or adding a segment for them; released at close,
 after ``SPARE_MAX_AGE_S``, or by ``reclaim`` once this process is dead): one index transaction
@@ -548,7 +550,8 @@ class RemoteStore:
             self._count(write_failures=len(ids))
             return [False] * len(ids)
         slots = reservation.slots
-        self._count(evictions=reservation.evicted, rejected_writes=len(ids) - len(slots))
+        if reservation.evicted or len(slots) < len(ids):
+            self._count(evictions=reservation.evicted, rejected_writes=len(ids) - len(slots))
         published = [False] * len(ids)
         if not slots:
             return published
@@ -769,7 +772,8 @@ class RemoteStore:
         finally:
             with self._calls:
                 self._in_flight -= 1
-                self._calls.notify_all()
+                if self._closed:  # only close waits for calls to end
+                    self._calls.notify_all()
 
     def _pages(self, buffers: Union[Sequence[Buffer], PageBuffers], count: int) -> PageBuffers:
         if not isinstance(buffers, PageBuffers):
