@@ -458,7 +458,7 @@ class DataPath:
             local, remote = local[order], remote[order]
         registration = self.host.register_uncovered(local)
         try:
-            return self._engine.post(op, local, remote, self._medium.mem_type), registration
+            return self._engine.post(op, local, remote, self._medium.mem_type, paced=self.direct_io), registration
         except BaseException:
             if registration is not None:
                 self._engine.deregister(registration)
