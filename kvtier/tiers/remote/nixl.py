@@ -43,7 +43,7 @@ _POLL_MAX_PAUSE_S = 5e-4
 # Pacing of polls (see ``NixlEngine._wait``): the first sleep ends at this share of the predicted
 # service time; a sleep is never longer than _PACE_MAX_SLEEP_S (a lowered timeout still applies
 # soon); the predicted seconds per byte follow finished requests (EWMA of weight _PACE_WEIGHT).
-_PACE_EARLY = 0.85
+_PACE_EARLY = 0.9
 _PACE_MAX_SLEEP_S = 0.02
 _PACE_WEIGHT = 0.5
 
@@ -264,7 +264,7 @@ class NixlEngine:
         polls (io_uring, POSIX AIO, O_DIRECT: the kernel or a thread does the work) back off to
         0.5 ms. A paced request (``post``) whose op has a pace sleeps after its first quick poll to
         just before its predicted end (``_PACE_EARLY`` of it, at most ``_PACE_MAX_SLEEP_S`` a
-        sleep), then backs off from a twentieth of the predicted wait: a sleep and a poll cost
+        sleep), then backs off from a hundredth of the predicted wait: a sleep and a poll cost
         CPU (30-40 µs on a VM), and a wait of milliseconds took 20-40 of them. The prediction:
         the op's seconds per byte in flight when a wait starts (the device serves the requests
         in flight together or in turn: either way a wait in a steady window of requests lasts
@@ -275,7 +275,7 @@ class NixlEngine:
         pace = self._pace.get(op) if posted.paced and not forced_timeout else None
         if pace is not None:
             service = inflight * pace
-            first_pause = max(service / 20, 1e-5)
+            first_pause = max(service / 100, 1e-5)
             max_pause = max(first_pause, _POLL_MAX_PAUSE_S)
             wake = began + _PACE_EARLY * service
         polls = 0
