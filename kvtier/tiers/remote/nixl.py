@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 import random
+import threading
 import time
 from types import ModuleType
 from typing import Callable, Optional
@@ -112,11 +113,15 @@ class NixlEngine:
         name = f"kvtier-remote-{os.getpid()}-{random.getrandbits(32):08x}"
         self.agent = api.nixl_agent(name, config)
         self.backend = self._create_backend(backend, backend_params, directory_fd, modes)
-        # Poll pacing (hints only, shared by all threads; nothing depends on them but how long
-        # a wait sleeps between polls): seconds a wait lasts per byte in flight when it starts,
-        # per op, and the bytes of the requests posted and not yet waited for.
+        # Poll pacing (hints only: nothing depends on them but how long a wait sleeps between
+        # polls): per op, the device's seconds per byte while it works through the requests in
+        # flight; those requests (posted, not yet waited for: their bytes and post times); when
+        # a wait last saw a request finish.
         self._pace: dict[str, float] = {}
+        self._pace_lock = threading.Lock()
+        self._inflight: dict[Posted, float] = {}
         self._inflight_bytes = 0
+        self._last_done = 0.0
 
     def _create_backend(self, backend: str, params: dict, directory_fd: int, modes: Modes) -> str:
         if backend in ("GDS", "GDS_MT"):
@@ -220,23 +225,33 @@ class NixlEngine:
         posted = Posted(
             handle, op, len(local), fault, time.monotonic(), int(local[:, 1].sum()) if len(local) else 0, paced,
         )
-        self._inflight_bytes += posted.nbytes
+        with self._pace_lock:
+            self._inflight[posted] = posted.start
+            self._inflight_bytes += posted.nbytes
         try:
             posted.state = self.agent.transfer(handle)
         except Exception as exc:
             posted.error = exc
         return posted
 
-    def _learn(self, op: str, waited: float, inflight: int) -> None:
-        """Fold a wait's length (``waited`` seconds from its start until a poll saw the request
-        finish, with ``inflight`` bytes posted and not yet finished at its start) into ``op``'s
-        pace. Requests done at their first poll teach nothing (they finished beside an earlier
-        one) and are not folded in."""
-        if inflight <= 0 or waited <= 0:
-            return
-        sample = waited / inflight
-        pace = self._pace.get(op)
-        self._pace[op] = sample if pace is None else pace + _PACE_WEIGHT * (sample - pace)
+    def _in_flight(self) -> tuple[float, int]:
+        """(since when the device has been working through the requests now in flight: the
+        oldest one's post or the last finish seen, whichever is later; their bytes)."""
+        with self._pace_lock:
+            oldest = min(self._inflight.values(), default=time.monotonic())
+            return max(oldest, self._last_done), self._inflight_bytes
+
+    def _learn(self, op: str, since: float, inflight: int, done: float, learn: bool) -> None:
+        """A wait saw its request finish at ``done``; with ``learn`` (it took more than one
+        poll, so ``done`` is close), fold ``inflight`` bytes moved from ``since`` to ``done``
+        into ``op``'s pace."""
+        with self._pace_lock:
+            self._last_done = max(self._last_done, done)
+            if not learn or inflight <= 0 or done <= since:
+                return
+            sample = (done - since) / inflight
+            pace = self._pace.get(op)
+            self._pace[op] = sample if pace is None else pace + _PACE_WEIGHT * (sample - pace)
 
     def wait(self, posted: "Posted") -> None:
         """Wait for a posted request to finish (or fail, or time out), then release it."""
@@ -248,7 +263,9 @@ class NixlEngine:
             self._wait(posted, forced_timeout=posted.fault == "timeout",
                        mid_request=self.faults.mid_request)
         finally:
-            self._inflight_bytes -= posted.nbytes
+            with self._pace_lock:
+                if self._inflight.pop(posted, None) is not None:
+                    self._inflight_bytes -= posted.nbytes
             self._release(posted.handle)
         if posted.fault == "error_after_io":
             raise TransferFailed(f"{posted.op} of {posted.count} descriptors: injected error after I/O")
@@ -266,18 +283,20 @@ class NixlEngine:
         just before its predicted end (``_PACE_EARLY`` of it, at most ``_PACE_MAX_SLEEP_S`` a
         sleep), then backs off from a hundredth of the predicted wait: a sleep and a poll cost
         CPU (30-40 µs on a VM), and a wait of milliseconds took 20-40 of them. The prediction:
-        the op's seconds per byte in flight when a wait starts (the device serves the requests
-        in flight together or in turn: either way a wait in a steady window of requests lasts
-        about that), learned from the waits that needed more than one poll."""
+        the device works through the bytes in flight (posted, not yet waited for) from the
+        oldest one's post or the last finish a wait saw, whichever is later, at the op's pace,
+        learned from the waits that needed more than one poll. It holds whether the device
+        serves requests in turn or together, and whether a post returns at once or only after
+        most of its bytes moved (a buffered header read behind the payload's)."""
         op, count, handle, start = posted.op, posted.count, posted.handle, posted.start
         pause = backoff = 0.0
-        began, inflight = time.monotonic(), self._inflight_bytes
+        since, inflight = self._in_flight()
         pace = self._pace.get(op) if posted.paced and not forced_timeout else None
         if pace is not None:
             service = inflight * pace
             first_pause = max(service / 100, 1e-5)
             max_pause = max(first_pause, _POLL_MAX_PAUSE_S)
-            wake = began + _PACE_EARLY * service
+            wake = since + _PACE_EARLY * service
         polls = 0
         try:
             state = posted.state
@@ -303,8 +322,8 @@ class NixlEngine:
                     pause = backoff = min(2 * backoff, max_pause) if backoff else first_pause
                 else:
                     pause = min(max(2 * pause, 1e-5), _POLL_MAX_PAUSE_S)
-            if polls > 1 and posted.paced and not forced_timeout:
-                self._learn(op, time.monotonic() - began, inflight)
+            if not forced_timeout:
+                self._learn(op, since, inflight, time.monotonic(), learn=polls > 1 and posted.paced)
         except TransferFailed:
             raise
         except Exception as exc:
