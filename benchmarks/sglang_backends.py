@@ -358,7 +358,8 @@ def main() -> None:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="sglang-backends-", dir=Path(__file__).parent))
     rng = np.random.default_rng(0)
     rows = []
-    print(f"kvtier from {Path(kvtier.__file__).parent}; dir {base}", flush=True)
+    print(f"kvtier from {Path(kvtier.__file__).parent}; dir {base}; crc32c in hardware: {_crc32c_hardware()}",
+          flush=True)
     try:
         for dtype, layout, layers, heads, batches in cells:
             record_format(DTYPES[dtype], layers)
@@ -416,7 +417,8 @@ def main() -> None:
         "benchmark": "sglang_backends",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, kernel {platform.release()}",
-        "versions": {p: _version(p) for p in ("sglang", "torch", "nixl-cu13", "kvtier")},
+        "versions": {p: _version(p) for p in ("sglang", "torch", "nixl-cu13", "kvtier", "crc32c")},
+        "crc32c_hardware": _crc32c_hardware(),
         "kvtier_path": str(Path(kvtier.__file__).parent),
         "quick": args.quick,
         "pin_memory": args.pin_memory,
@@ -427,6 +429,16 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nJSON: {out}")
+
+
+def _crc32c_hardware():
+    """Whether the crc32c module checksums with the CPU's CRC32 instructions (kvtier's checks
+    cost several times more without them)."""
+    try:
+        import crc32c
+    except ImportError:
+        return None
+    return bool(getattr(crc32c, "hardware_based", False))
 
 
 def _version(package: str) -> str:
