@@ -43,7 +43,8 @@ _POLL_WORK_S = 50e-6
 _POLL_MAX_PAUSE_S = 5e-4
 # Pacing of polls (see ``NixlEngine._wait``): the first sleep ends at this share of the predicted
 # service time; a sleep is never longer than _PACE_MAX_SLEEP_S (a lowered timeout still applies
-# soon); the predicted seconds per byte follow finished requests (EWMA of weight _PACE_WEIGHT).
+# soon); the predicted seconds per byte follow finished requests (EWMA of weight _PACE_WEIGHT
+# toward faster waits, a quarter of it toward slower ones).
 _PACE_EARLY = 0.9
 _PACE_MAX_SLEEP_S = 0.02
 _PACE_WEIGHT = 0.5
@@ -251,7 +252,10 @@ class NixlEngine:
                 return
             sample = (done - since) / inflight
             pace = self._pace.get(op)
-            self._pace[op] = sample if pace is None else pace + _PACE_WEIGHT * (sample - pace)
+            # quick to speed up, slow to slow down: the pace follows the faster waits, so a
+            # slow one costs a few more polls rather than a sleep past the next fast one
+            weight = _PACE_WEIGHT if pace is None or sample < pace else _PACE_WEIGHT / 4
+            self._pace[op] = sample if pace is None else pace + weight * (sample - pace)
 
     def wait(self, posted: "Posted") -> None:
         """Wait for a posted request to finish (or fail, or time out), then release it."""
