@@ -22,7 +22,10 @@ are compared with the written bytes; a wrong byte stops the run. Backends run in
 (the order rotates per run); medians over ``--runs``. "set+fsync" adds, for ``file`` and
 ``nixl`` (which do not sync), an ``fsync`` of every file the write created; kvtier syncs inside
 its write. CPU time is ``time.process_time`` (all threads of the process); torch runs one
-intra-op thread, as OpenMP workers spinning between SGLang's copies would count as CPU.
+intra-op thread, as OpenMP workers spinning between SGLang's copies would count as CPU. A second
+table splits each cold get's CPU into the calling thread's and the other threads' (kvtier's
+checksum threads, the raw reader's), gives speeds against the raw reader, whether the host
+pool's pieces are 4 KiB aligned (zero-copy under O_DIRECT) and what kvtier waited on (``bound``).
 
     PYTHONPATH=. build/sglang-harness/venv/bin/python benchmarks/sglang_backends.py [--quick]
 
@@ -152,6 +155,13 @@ def page_views(pool, first_page: int, count: int) -> list[np.ndarray]:
     return [np.ctypeslib.as_array((ctypes.c_ubyte * s).from_address(p)) for p, s in zip(ptrs, sizes)]
 
 
+def pieces_aligned(pool, pages: int) -> bool:
+    """Whether every piece of the first ``pages`` pages starts and ends on 4 KiB (what
+    ``O_DIRECT`` needs for a zero-copy read into the pool)."""
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(pages * PAGE, dtype=torch.int64))
+    return all((int(p) | int(s)) % 4096 == 0 for p, s in zip(ptrs, sizes))
+
+
 def fill(views: list[np.ndarray], rng: np.random.Generator) -> None:
     for v in views:
         v[:] = rng.integers(1, 256, size=v.size, dtype=np.uint8)
@@ -229,6 +239,14 @@ def timed(fn) -> tuple[float, float, object]:
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
+def timed_split(fn) -> tuple[float, float, float, object]:
+    """``timed`` plus the calling thread's own CPU time (the rest ran on other threads: kvtier's
+    checksum threads, NIXL's, the raw reader's)."""
+    own = time.thread_time()
+    wall, cpu, result = timed(fn)
+    return wall, cpu, time.thread_time() - own, result
+
+
 class Raw:
     """The disk through a plain path: one O_DIRECT file, 8 MiB ``pwritev``/``preadv`` calls
     from ``RAW_THREADS`` threads at once (that many requests queued at the device), one fsync."""
@@ -276,7 +294,7 @@ def run_cell(name: str, ctrl, raw: Raw, pool, batch: int, tokens: list[int], src
         for mode in ("cold", "warm"):
             if mode == "cold":
                 drop_cache(path)
-            out[f"get_{mode}_s"], out[f"get_{mode}_cpu_s"], _ = timed(raw.read)
+            out[f"get_{mode}_s"], out[f"get_{mode}_cpu_s"], out[f"get_{mode}_caller_cpu_s"], _ = timed_split(raw.read)
         return out
     hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
     backup = StorageOperation(torch.arange(0, batch * PAGE, dtype=torch.int64), tokens, hash_value=hashes)
@@ -300,7 +318,8 @@ def run_cell(name: str, ctrl, raw: Raw, pool, batch: int, tokens: list[int], src
         read = PrefetchOperation(f"bench-{name}", tokens)
         read.host_indices = torch.arange(batch * PAGE, 2 * batch * PAGE, dtype=torch.int64)
         read.hash_value = hashes
-        out[f"get_{mode}_s"], out[f"get_{mode}_cpu_s"], got = timed(lambda: ctrl._page_transfer(read))
+        out[f"get_{mode}_s"], out[f"get_{mode}_cpu_s"], out[f"get_{mode}_caller_cpu_s"], got = timed_split(
+            lambda: ctrl._page_transfer(read))
         while not ctrl.prefetch_sync_queue.empty():
             ctrl.prefetch_sync_queue.get_nowait()
         if got is None:  # SGLang 0.5.17 returns nothing: count the completed tokens
@@ -339,13 +358,17 @@ def main() -> None:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="sglang-backends-", dir=Path(__file__).parent))
     rng = np.random.default_rng(0)
     rows = []
-    print(f"kvtier from {Path(kvtier.__file__).parent}; dir {base}", flush=True)
+    print(f"kvtier from {Path(kvtier.__file__).parent}; dir {base}; crc32c in hardware: {_crc32c_hardware()}",
+          flush=True)
     try:
         for dtype, layout, layers, heads, batches in cells:
             record_format(DTYPES[dtype], layers)
             head_dim = 128 if heads == 8 else 32
             pool = host_pool(DTYPES[dtype], layout, layers, heads, head_dim, 2 * max(batches) + 1, args.pin_memory)
             page_bytes = sum(int(s) for s in pool.get_page_buffer_meta(torch.arange(PAGE))[1])
+            aligned = pieces_aligned(pool, 2 * max(batches))
+            print(f"{dtype} {layout} L{layers} H{heads}: host pool pieces 4 KiB aligned: {aligned} "
+                  f"(kvtier {'zero-copy' if aligned else 'stages through aligned blocks'} under O_DIRECT)", flush=True)
             model = f"bench-{dtype}-{layout}-{layers}-{heads}"
             ctrls = {}
             for name in backends:
@@ -374,7 +397,7 @@ def main() -> None:
                 for name in backends:
                     med = {k: statistics.median(s[k] for s in samples[name]) for k in samples[name][0]}
                     row = {"backend": name, "dtype": dtype, "layout": layout, "layers": layers, "kv_heads": heads,
-                           "batch": batch, "page_bytes": page_bytes, "runs": runs, **med}
+                           "batch": batch, "page_bytes": page_bytes, "runs": runs, "pool_aligned": aligned, **med}
                     rows.append(row)
                     print(format_row(row), flush=True)
             for ctrl, path in ctrls.values():
@@ -388,11 +411,14 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
     print()
     print(ratio_table(rows))
+    print()
+    print(cold_table(rows))
     result = {
         "benchmark": "sglang_backends",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, kernel {platform.release()}",
-        "versions": {p: _version(p) for p in ("sglang", "torch", "nixl-cu13", "kvtier")},
+        "versions": {p: _version(p) for p in ("sglang", "torch", "nixl-cu13", "kvtier", "crc32c")},
+        "crc32c_hardware": _crc32c_hardware(),
         "kvtier_path": str(Path(kvtier.__file__).parent),
         "quick": args.quick,
         "pin_memory": args.pin_memory,
@@ -403,6 +429,16 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nJSON: {out}")
+
+
+def _crc32c_hardware():
+    """Whether the crc32c module checksums with the CPU's CRC32 instructions (kvtier's checks
+    cost several times more without them)."""
+    try:
+        import crc32c
+    except ImportError:
+        return None
+    return bool(getattr(crc32c, "hardware_based", False))
 
 
 def _version(package: str) -> str:
@@ -425,7 +461,7 @@ def format_row(row: dict) -> str:
 
 
 def ratio_table(rows: list[dict]) -> str:
-    """kvtier / peer speed (wall) and CPU per page, per cell."""
+    """kvtier / peer speed (wall) and CPU per page (warm get), per cell."""
     by = {(r["dtype"], r["layout"], (r["layers"], r["kv_heads"]), r["batch"], r["backend"]): r for r in rows}
     lines = ["| cell | pages | get cold kvtier/nixl | /file | /raw | get warm /nixl | set+fsync /nixl | /file "
              "| CPU us/page get kvtier, file, nixl | set | exists |",
@@ -447,6 +483,49 @@ def ratio_table(rows: list[dict]) -> str:
             f"| {dtype} {layout} L{layers[0]} H{layers[1]} {r['page_bytes'] >> 10} KiB | {batch} | {speed('nixl', 'get_cold_s')} | {speed('file', 'get_cold_s')} "
             f"| {speed('raw', 'get_cold_s')} | {speed('nixl', 'get_warm_s')} | {speed('nixl', 'set_fsync_s')} "
             f"| {speed('file', 'set_fsync_s')} | {cpu('get_warm')} | {cpu('set')} | {cpu('exists')} |"
+        )
+    return "\n".join(lines)
+
+
+def bound(kvtier: dict, raw: dict | None) -> str:
+    """What a cold kvtier get waited on (a heuristic): ``disk`` within 10% of the raw O_DIRECT
+    reader's time; else ``cpu`` where the calling thread was busy half the wall time or more;
+    else ``gaps`` (neither: waits between requests, the last request's checks, queueing)."""
+    if raw and raw["get_cold_s"] >= 0.9 * kvtier["get_cold_s"]:
+        return "disk"
+    if kvtier.get("get_cold_caller_cpu_s", 0.0) >= 0.5 * kvtier["get_cold_s"]:
+        return "cpu"
+    return "gaps"
+
+
+def cold_table(rows: list[dict]) -> str:
+    """Cold get per cell: speeds against the raw O_DIRECT reader, CPU per page split into the
+    calling thread and the others, and what kvtier waited on (``bound``)."""
+    by = {(r["dtype"], r["layout"], (r["layers"], r["kv_heads"]), r["batch"], r["backend"]): r for r in rows}
+    lines = ["| cell | pages | pool 4K-aligned | raw GiB/s | kvtier / raw | nixl / raw | kvtier / nixl "
+             "| cold CPU us/page kvtier caller + others | nixl caller + others | kvtier bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (dtype, layout, layers, batch, backend), r in by.items():
+        if backend != "kvtier":
+            continue
+        raw, nixl = by.get((dtype, layout, layers, batch, "raw")), by.get((dtype, layout, layers, batch, "nixl"))
+        mib = batch * r["page_bytes"] / 2**20
+
+        def split(v):
+            if not v or "get_cold_caller_cpu_s" not in v:
+                return "-"
+            caller = v["get_cold_caller_cpu_s"] / batch * 1e6
+            # the two clocks tick apart (process time in 10 ms steps on some kernels): not below 0
+            return f"{caller:.0f} + {max(0.0, v['get_cold_cpu_s'] / batch * 1e6 - caller):.0f}"
+
+        def ratio(num, den):
+            return f"{num['get_cold_s'] / den['get_cold_s']:.2f}x" if num and den else "-"
+
+        raw_speed = f"{mib / 1024 / raw['get_cold_s']:.2f}" if raw else "-"
+        lines.append(
+            f"| {dtype} {layout} L{layers[0]} H{layers[1]} {r['page_bytes'] >> 10} KiB | {batch} "
+            f"| {r.get('pool_aligned', '-')} | {raw_speed} | {ratio(raw, r)} | {ratio(raw, nixl)} "
+            f"| {ratio(nixl, r)} | {split(r)} | {split(nixl)} | {bound(r, raw)} |"
         )
     return "\n".join(lines)
 

@@ -7,8 +7,10 @@
 #   one run interleaved]
 # Writes $OUT/sglang_backends_h200.json and the printed table to $OUT/sglang_backends_h200.txt (OUT
 # defaults to /tmp/out). The store directory is $DIR (default .sgb-store under the checkout: the
-# machine's disk, not /tmp). Fail-soft: a run that fails or passes $LIMIT seconds (default 420, so
-# a 600 s device call has room) is followed by a --quick run, written as *_quick.json / .txt.
+# machine's disk, not /tmp). KVTIER=<dir> imports kvtier from <dir> instead of this checkout (an
+# A/B on one machine: `git archive <commit> kvtier | tar -x -C .ab-old` beside the checkout, then
+# KVTIER=.ab-old). Fail-soft: a run that fails or passes $LIMIT seconds (default 420, so a 600 s
+# device call has room) is followed by a --quick run, written as *_quick.json / .txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 KIT=${KIT:-.gpu-sglang}
@@ -17,7 +19,8 @@ OUT=${OUT:-/tmp/out}
 DIR=${DIR:-$PWD/.sgb-store}
 mkdir -p "$OUT"
 SITE=$SITE UNPACK_ONLY=1 bash "$KIT/run_server.sh" "$KIT" || exit 1
-export PYTHONPATH=.:$SITE/sglang-site:$SITE/nixl-site PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-ERROR}
+KVTIER=${KVTIER:-.}
+export PYTHONPATH=$KVTIER:$SITE/sglang-site:$SITE/nixl-site PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-ERROR}
 LIMIT=${LIMIT:-420}
 [ $# -gt 0 ] || set -- --runs 1
 df -hT "$(dirname "$DIR")" | tail -1

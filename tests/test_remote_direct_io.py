@@ -246,3 +246,55 @@ def test_pages_of_many_equal_pieces_are_staged_in_one_copy_and_read_back(open_st
             continue  # a miss: its content is unspecified
         assert torch.equal(dst[page_inside], src[page_inside])
     assert bool((dst[~inside] == 0xA5).all())
+
+
+@pytest.mark.timeout(120)
+def test_paced_waits_are_hints_only(open_store):
+    """O_DIRECT requests learn a pace (seconds per byte in flight) from their waits and sleep
+    toward the predicted end; the pace never decides an outcome: reads of many requests stay
+    bit-exact, and an absurd pace only stretches a wait to the capped sleep, never past it."""
+    store = open_store(pipeline_bytes=PAGE)  # one NIXL request per page
+    engine = store._engine
+    _src_region, src = aligned_pages(16)
+    _dst_region, dst = aligned_pages(16)
+    fill_random(src, seed=11)
+    keys = [f"paced-{i}" for i in range(16)]
+    assert store.put(keys, src) == [True] * 16
+    for round_ in range(3):
+        poison(dst)
+        assert store.get(keys, dst) == [True] * 16, round_
+        assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    engine._pace["READ"] = 1.0  # a second per byte: every wait would sleep for days uncapped
+    poison(dst)
+    assert store.get(keys[:12], dst[:12]) == [True] * 12
+    assert all(torch.equal(a, b) for a, b in zip(src[:12], dst[:12]))
+    assert engine._inflight_bytes == 0  # every posted request was waited for
+
+
+@pytest.mark.parametrize("offset", [0, 64], ids=["aligned-zero-copy", "unaligned-staged"])
+@pytest.mark.parametrize("cpus", [1, 64], ids=["threads-only", "caller-shares"])
+def test_a_large_last_request_is_checked_in_shares(open_store, monkeypatch, offset, cpus):
+    """The last request of a get (over PARALLEL_CHECKSUM_BYTES) is checked in shares on the
+    checksum threads, and on the caller too where a core is free: every page is still verified
+    (a flipped byte in the first share and in the caller's last share are misses), and only
+    verified pages are delivered."""
+    from kvtier.tiers.remote import datapath
+
+    monkeypatch.setattr(datapath, "_CPUS", cpus)
+    count = datapath.PARALLEL_CHECKSUM_BYTES // PAGE + 40
+    store = open_store(segment_bytes=32 << 20)
+    _src_region, src = aligned_pages(count, offset)
+    _dst_region, dst = aligned_pages(count, offset)
+    fill_random(src, seed=23 + cpus)
+    keys = [f"share-{i}" for i in range(count)]
+    assert store.put(keys, src) == [True] * count
+    for bad in (0, count - 1):
+        path, _, payload = record_offsets(store, keys[bad])
+        drop_cache(path)
+        flip_byte(path, payload + PAGE // 2)
+    poison(dst)
+    found = store.get(keys, dst)
+    assert found == [i not in (0, count - 1) for i in range(count)]
+    assert all(torch.equal(src[i], dst[i]) for i in range(1, count - 1))
+    if offset:  # staged: a page that failed its check is never copied out
+        assert all(bool((dst[i] == 0xA5).all()) for i in (0, count - 1))

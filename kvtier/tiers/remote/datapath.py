@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import sqlite3
 import threading
 from collections import deque
@@ -56,6 +57,7 @@ CHECKSUM_THREAD_PREFIX = "kvtier-remote-crc"
 # buffered requests do their copies when posted, so one at a time).
 DIRECT_REQUESTS_IN_FLIGHT = 4
 _SMALL_REQUEST_ROWS = 8
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 # What fails one request (its pages), not the call.
 REQUEST_ERRORS = (TransferFailed, OSError, KeyError, sqlite3.Error)
 
@@ -458,7 +460,7 @@ class DataPath:
             local, remote = local[order], remote[order]
         registration = self.host.register_uncovered(local)
         try:
-            return self._engine.post(op, local, remote, self._medium.mem_type), registration
+            return self._engine.post(op, local, remote, self._medium.mem_type, paced=self.direct_io), registration
         except BaseException:
             if registration is not None:
                 self._engine.deregister(registration)
@@ -505,20 +507,32 @@ class DataPath:
 
     def _parallel(self, fn: Callable[[int], object], count: int) -> list:
         """``[fn(j) for j in range(count)]``; on a caller thread, large work is split across
-        the checksum threads (crc32c and hashlib release the GIL on large buffers). On a
-        checksum thread it runs there: that is the pipeline."""
+        the checksum threads and the caller (crc32c and hashlib release the GIL on large
+        buffers). On a checksum thread it runs there: that is the pipeline."""
         if (
             count * self.page_bytes < PARALLEL_CHECKSUM_BYTES
             or self._checksum_threads == 1
             or threading.current_thread().name.startswith(CHECKSUM_THREAD_PREFIX)
         ):
             return [fn(j) for j in range(count)]
-        step = -(-count // self._checksum_threads)
-        parts = [
-            self._pool.submit(lambda lo: [fn(j) for j in range(lo, min(lo + step, count))], lo)
-            for lo in range(0, count, step)
-        ]
-        return [result for part in parts for result in part.result()]
+        # where a core is free for it, the caller takes the last share rather than wait idle
+        # (on as many cores as threads, its share would only queue behind theirs)
+        caller = _CPUS > self._checksum_threads
+        step = -(-count // (self._checksum_threads + caller))
+
+        def share(lo: int) -> list:
+            return [fn(j) for j in range(lo, min(lo + step, count))]
+
+        starts = list(range(0, count, step))
+        own = starts.pop() if caller else None
+        parts = [self._pool.submit(share, lo) for lo in starts]
+        try:
+            mine = share(own) if own is not None else []
+        except BaseException:
+            for part in parts:  # the shares may use memory the caller frees once this raises
+                part.exception()
+            raise
+        return [result for part in parts for result in part.result()] + mine
 
     def shutdown(self, wait: bool) -> None:
         self._pool.shutdown(wait=wait)
