@@ -52,6 +52,10 @@ class EvictionPolicy(ABC):
         for slot in slots:
             self.touch(slot)
 
+    def touch_many_distinct(self, slots: np.ndarray) -> None:
+        """`touch_many` of an int64 array of distinct slots."""
+        self.touch_many(slots.tolist())
+
     @abstractmethod
     def victims(self, n: int) -> list[int]:
         """Up to n evictable slots, first victim first."""
@@ -85,6 +89,9 @@ class LRUPolicy(SlotList, EvictionPolicy):
             return
         member = self._member
         self.extend([slot for slot in slots if member[slot]])
+
+    def touch_many_distinct(self, slots: np.ndarray) -> None:
+        self.extend_distinct(slots[self._np_member[slots] != 0])
 
 
 POLICIES = {"lru": LRUPolicy}

@@ -492,7 +492,7 @@ class TierIndex:
         if at is not None:
             hits = self._np_hits
             hits[at] = np.minimum(hits[at], _HITS_MAX - 1) + 1
-            self.policy.touch_many(slots)
+            self.policy.touch_many_distinct(at)
             return
         hits = self.hits
         for slot in slots:

@@ -48,7 +48,7 @@ from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
 from kvtier.index.key_table import MANY
 from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
-from kvtier.index.prefix import leading_slots, walk
+from kvtier.index.prefix import leading_slots, walk, walk_slots
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
@@ -357,16 +357,28 @@ class TieredPool(Movement, TierRoom):
     def match(self, keys: Iterable[Key]) -> MatchResult:
         """The loadable prefix of `keys`, split by nearest tier (see MatchResult); counts hits.
 
-        Never waits for the pool's lock: the key tables are read without it (and the remote
-        tier's index is asked without it). The use of the matched pages (eviction order, hit
-        counts, the write policy's copies of popular pages) and the counters are applied at
-        once when the lock is free, else by the next call that takes it, so a match never
-        queues behind another thread's call. Like any match, the answer is advice: a page can
+        Never waits for the pool's lock: when it is free (and there is no remote tier to ask,
+        which is never asked under the lock) the match walks the key tables under it and
+        applies the use of the pages it found (eviction order, hit counts, the write policy's
+        copies of popular pages) and the counters at once; else it reads the tables without
+        the lock and the use is applied when the lock is free, or by the next call that takes
+        it, so a match never queues behind another thread's call. Like any match, the answer is advice: a page can
         leave before the `load` that follows.
         """
         start = time.perf_counter()
         ids = key_ids(keys)
         self._check_open()
+        if self.remote is None and self._lock.acquire(blocking=False):
+            # The lock is free: walk under it, and touch the slots the walk found.
+            try:
+                if not self._closed:
+                    self._reap()
+                    on_device, on_host, touched_dev, touched_host = walk_slots(self._dev.table, self._host.table, ids)
+                    self._touch_slots(touched_dev, touched_host)
+                    self._count_match((ids, on_device, on_host, 0, on_device + on_host, 0, start), None)
+                    return MatchResult(device=on_device, host=on_host, remote=0, total=on_device + on_host)
+            finally:
+                self._lock.release()
         on_device, on_host, remote, total = walk(self._dev.table, self._host.table, ids, 0)
         failed = 0
         if self.remote is not None and total < len(ids):
@@ -396,8 +408,11 @@ class TieredPool(Movement, TierRoom):
     def _apply_match(self, seen: tuple, ended: float | None) -> None:
         """Touch a match's pages and count it (under the lock). ended: when a deferred match
         returned (None: now)."""
+        self._touch_prefix(seen[0])
+        self._count_match(seen, ended)
+
+    def _count_match(self, seen: tuple, ended: float | None) -> None:
         ids, on_device, on_host, remote, total, failed, start = seen
-        self._touch_prefix(ids)
         c = self.counters
         c.hits["device"] += on_device
         c.hits["host"] += on_host
@@ -417,9 +432,11 @@ class TieredPool(Movement, TierRoom):
 
     def _touch_prefix(self, ids: list[bytes]) -> None:
         """Count a use of the leading device keys and the leading host keys (LRU, write policy)."""
+        self._touch_slots(leading_slots(self._dev.table, ids), leading_slots(self._host.table, ids))
+
+    def _touch_slots(self, touched_dev: list[int], touched_host: list[int]) -> None:
+        """Count a use of these device and host slots (LRU, write policy)."""
         dev, host = self._dev, self._host
-        touched_dev = leading_slots(dev.table, ids)
-        touched_host = leading_slots(host.table, ids)
         dev.touch_all(touched_dev)
         host.touch_all(touched_host)
         self._copy_popular(touched_dev)
