@@ -74,6 +74,9 @@ def key_id(key: str | bytes) -> bytes:
 ID_CACHE_GENERATION = 1 << 15
 ID_CACHE_GENERATION_CHARS = 1 << 21
 ID_CACHE_MAX_KEY = 1 << 12
+# New keys are hashed and cached in one pass from this many keys a batch (below it, one at a
+# time costs no more).
+_FILL_BATCH = 32
 _young: dict = {}
 _old: dict = {}
 _PLAIN = {bytes, str}
@@ -123,9 +126,11 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
         out = list(map(_young.get, keys))
     except TypeError:  # an unhashable key: the loop names it
         return _key_ids_each(keys)
-    if set(map(type, keys)) <= _PLAIN and all(keys):
-        if None not in out or _fill_new(keys, out):
+    if None not in out:  # (only non-empty keys are ever cached)
+        if set(map(type, keys)) <= _PLAIN:
             return out
+    elif len(out) >= _FILL_BATCH and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out):
+        return out
     return _key_ids_each(keys)
 
 

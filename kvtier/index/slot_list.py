@@ -103,6 +103,20 @@ class SlotList:
             return
         self.extend_distinct(np.asarray(slots, dtype=np.int64))
 
+    def extend_unlisted(self, slots: list[int]) -> None:
+        """`extend` of a short list of distinct slots none of which is listed (no check): one
+        loop that links them in a chain, no call per slot."""
+        nxt, prv, member, head = self._next, self._prev, self._member, self._head
+        last = prv[head]
+        for slot in slots:
+            nxt[last] = slot
+            prv[slot] = last
+            member[slot] = 1
+            last = slot
+        nxt[last] = head
+        prv[head] = last
+        self._len += len(slots)
+
     def extend_distinct(self, new: np.ndarray) -> None:
         """`extend` of an int64 array of slots the caller knows to be distinct (no check)."""
         if new.size < BULK:

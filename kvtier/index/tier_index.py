@@ -176,6 +176,7 @@ class TierIndex:
         # evictable and it is neither pinned nor busy.
         # A long batch hands its eviction-order changes over in one call at the end (numpy).
         adds, removes = ([], []) if len(slots) >= BULK else (None, None)
+        listing = None
         if new == _FREE:
             unbind, hits, free = self.table.unbind, self.hits, self.free
             remove = self.policy.remove if removes is None else removes.append
@@ -199,6 +200,9 @@ class TierIndex:
                 count += 1
         elif not busy_delta:
             add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
+            # Slots turning DIRTY join the dirty list at the end, in one chain after the loop
+            # (each is off it by then: a slot that was DIRTY left it first), unless one repeats.
+            listing = [] if into_dirty else None
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -209,7 +213,7 @@ class TierIndex:
                 if old == _DIRTY:
                     dirty.discard(slot)
                 if into_dirty:
-                    dirty.append(slot)
+                    listing.append(slot)
                 if evictable != was_evictable[old] and not busy[slot] and not pins[slot]:
                     if evictable:
                         add(slot)
@@ -217,6 +221,7 @@ class TierIndex:
                         remove(slot)
         else:
             add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
+            listing = [] if into_dirty else None
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -227,7 +232,7 @@ class TierIndex:
                 if old == _DIRTY:
                     dirty.discard(slot)
                 if into_dirty:
-                    dirty.append(slot)
+                    listing.append(slot)
                 before = busy[slot]
                 after = before + busy_delta
                 assert after >= 0, f"{self.name} slot {slot} has no copy in flight"
@@ -241,6 +246,11 @@ class TierIndex:
                     if evictable and not pins[slot]:
                         add(slot)
         counts[new] += count
+        if listing:
+            if len(set(listing)) == len(listing):
+                dirty.extend_unlisted(listing)
+            else:
+                dirty.extend(listing)
         if removes:  # each loop above only adds or only removes
             self.policy.remove_many(removes)
         if adds:
