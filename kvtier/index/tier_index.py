@@ -273,10 +273,16 @@ class TierIndex:
             return False  # the loop names the slot
         evictable = _EVICTABLE[new]
         unpinned = pins[at] == 0
-        if busy_delta:
-            started, ended = before == 0, (before > 0) & (after == 0)
-            self.busy_slots += int(started.sum()) - int(ended.sum())
+        if busy_delta > 0:  # copies start: slots idle before leave the eviction order
+            started = before == 0
+            self.busy_slots += int(started.sum())
             leaving = at[started & _NP_EVICTABLE[old] & unpinned]
+            joining = at[:0]
+            busy[at] = after
+        elif busy_delta:  # copies end: slots idle now may join it
+            ended = after == 0
+            self.busy_slots -= int(ended.sum())
+            leaving = at[:0]
             joining = at[ended & unpinned] if evictable else at[:0]
             busy[at] = after
         else:
@@ -293,9 +299,9 @@ class TierIndex:
         else:
             was_dirty = at[old == _DIRTY]
             if was_dirty.size:
-                self.dirty.discard_many(was_dirty)
+                self.dirty.discard_distinct(was_dirty)
         if leaving.size:
-            self.policy.remove_many(leaving)
+            self.policy.remove_many_distinct(leaving)
         if joining.size:
             self.policy.add_many_distinct(joining)
         return True
@@ -313,10 +319,28 @@ class TierIndex:
         take = min(n, len(free))
         if not take:
             return []
+        if state != S.FILLING and state != S.LOADING:
+            raise AssertionError(f"{self.name}: free slots are taken FILLING or LOADING, not {PageState(state).name}")
         slots = free[len(free) - take :].tolist()
         slots.reverse()
         del free[len(free) - take :]
-        self.set_states(slots, state, busy_delta)
+        # A free slot is unkeyed, unheld, idle and on no list, and FILLING and LOADING pages
+        # join none: only its state and copies change.
+        if take >= BULK:
+            at = np.array(slots, dtype=np.int64)
+            self._np_state[at] = state
+            if busy_delta:
+                self._np_busy[at] = busy_delta
+        else:
+            state_of, busy = self.state, self.busy
+            for slot in slots:
+                state_of[slot] = state
+                if busy_delta:
+                    busy[slot] = busy_delta
+        self.counts[S.FREE] -= take
+        self.counts[state] += take
+        if busy_delta:
+            self.busy_slots += take
         return slots
 
     def take_bound(self, kids: Sequence[bytes]) -> list[int]:
@@ -447,7 +471,7 @@ class TierIndex:
             before = self._np_busy[at]
             self.busy_slots += int((before == 0).sum())
             self._np_busy[at] = before + 1
-            self.policy.remove_many(at)
+            self.policy.remove_many_distinct(at)
             if touch:
                 hits = self._np_hits
                 hits[at] = np.minimum(hits[at].astype(np.int16) + 1, _HITS_MAX)
