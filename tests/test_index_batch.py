@@ -299,6 +299,43 @@ def test_index_batch_checks_agree_with_the_loops(monkeypatch):
         assert index.ids_of(slots[1000:]) == kids[1000:]
 
 
+@pytest.mark.parametrize("bulk", [10**9, 1])
+def test_key_filled_and_take_free_leave_what_the_state_machine_leaves(monkeypatch, bulk):
+    """A commit's one pass (key_filled) and take_free's leave each slot, count, list and key
+    as bind_all and set_states do, below and above BULK."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    monkeypatch.setattr(tier_index, "BULK", bulk)
+    monkeypatch.setattr(slot_list, "BULK", bulk)
+    rng = random.Random(bulk)
+    for compact in (False, True):
+        fast = TierIndex("device", 600, make_policy("lru", 600), compact_keys=compact)
+        slow = TierIndex("device", 600, make_policy("lru", 600), compact_keys=compact)
+        for _ in range(6):
+            n = rng.randint(0, 90)
+            slots = fast.take_free(n, PageState.FILLING)
+            free = slow.free
+            want = free[len(free) - len(slots):].tolist()[::-1]
+            del free[len(free) - len(slots):]
+            slow.set_states(want, PageState.FILLING)
+            assert slots == want
+            fast.pin_all(slots)
+            slow.pin_all(slots)
+            kids = [os.urandom(16) for _ in slots]
+            clean = set(rng.sample(slots, len(slots) // 3))
+            fast.key_filled(slots, kids, clean)
+            slow.bind_all(slots, kids)
+            slow.set_states([s for s in slots if s in clean], PageState.RESIDENT)
+            slow.set_states([s for s in slots if s not in clean], PageState.DIRTY)
+            let_go = rng.sample(slots, len(slots) // 2)
+            for index in (fast, slow):
+                index.set_states(index.unpin_all(let_go), PageState.FREE)
+                index.check()
+            assert bytes(fast.state) == bytes(slow.state) and fast.counts == slow.counts
+            assert list(fast.dirty) == list(slow.dirty) and list(fast.policy) == list(slow.policy)
+            assert fast.ids_of(slots) == slow.ids_of(slots) == kids
+
+
 def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch):
     rng = random.Random(5)
     for trial in range(150):

@@ -415,6 +415,37 @@ class TierIndex:
         for slot, kid in zip(slots, kids):
             bind(kid, slot)
 
+    def key_filled(self, slots: list[int], kids: list[bytes], clean: set[int] | None = None) -> None:
+        """Distinct FILLING slots the engine holds, idle and unkeyed (as `first_unfresh` found
+        them), take their keys and become DIRTY pages, or RESIDENT where in `clean`: one pass
+        with no transition checks (both are legal from FILLING, and a held slot joins no
+        eviction order until the engine lets it go)."""
+        n = len(slots)
+        if not n:
+            return
+        self.bind_all(slots, kids)
+        dirty = [slot for slot in slots if slot not in clean] if clean else slots
+        if n >= BULK:
+            self._np_state[np.array(slots, dtype=np.int64)] = _DIRTY
+            if clean:
+                self._np_state[np.array(list(clean), dtype=np.int64)] = int(S.RESIDENT)
+            if dirty:
+                self.dirty.extend_distinct(np.array(dirty, dtype=np.int64))
+        else:
+            state = self.state
+            for slot in dirty:
+                state[slot] = _DIRTY
+            if clean:
+                resident = int(S.RESIDENT)
+                for slot in clean:
+                    state[slot] = resident
+            if dirty:
+                self.dirty.extend_unlisted(dirty)
+        counts = self.counts
+        counts[_FILLING] -= n
+        counts[_DIRTY] += len(dirty)
+        counts[S.RESIDENT] += n - len(dirty)
+
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:
             self.held += 1

@@ -336,13 +336,9 @@ class TieredPool(Movement, TierRoom):
             fresh_ids, fresh_slots, _, _ = dev.partition(ids, slots)
             absent_ids, absent_slots, held, at = host.partition(fresh_ids, fresh_slots)
             # A page the host tier holds is clean, unless it is still being fetched there.
-            clean = [slot for slot, h in zip(held, at) if _READABLE[host.state[h]]]
-            kept = set(clean)
-            dirty = [slot for slot in fresh_slots if slot not in kept] if kept else fresh_slots
+            clean = {slot for slot, h in zip(held, at) if _READABLE[host.state[h]]}
             self.counters.duplicate_commits += len(ids) - len(fresh_ids)
-            dev.bind_all(fresh_slots, fresh_ids)
-            dev.set_states(clean, S.RESIDENT)
-            dev.set_states(dirty, S.DIRTY)
+            dev.key_filled(fresh_slots, fresh_ids, clean)
             if absent_slots and self.write_policy.copy_on_commit():
                 # background_copies: the offload thread starts the copy down, so that commit
                 # costs the engine only the bookkeeping of its own pages.
