@@ -870,7 +870,7 @@ class TieredPool(Movement, TierRoom):
             self._wait_idle(deadline)
             with self._lock:
                 self._reap()
-                on_device, on_host = self._not_durable_ids() if owed else (set(), set())
+                on_device, on_host = self._not_durable_ids() if owed and self._any_not_durable() else (set(), set())
                 owed &= on_device | on_host
                 left = len(owed)
                 # Progress is a page a tier nearer durable: one copied down from the device counts.
@@ -900,6 +900,14 @@ class TieredPool(Movement, TierRoom):
                     out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
             found.append(out)
         return found[0], found[1]
+
+    def _any_not_durable(self) -> bool:
+        """Whether a page may not be durable yet (any DIRTY or OFFLOADING page where
+        `_not_durable_ids` looks): O(1), so that a flush that made everything durable does not
+        collect ids to find nothing."""
+        dev, host = self._dev.counts, self._host.counts
+        return bool(dev[S.DIRTY] or dev[S.OFFLOADING]
+                    or self._link is not None and (host[S.DIRTY] or host[S.OFFLOADING]))
 
     def _wait_idle(self, deadline: float | None) -> None:
         """Wait outside the lock until no engine copy is in flight and the backup queue has
