@@ -551,7 +551,7 @@ class TieredPool(Movement, TierRoom):
             if not n:
                 continue
             # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
-            host.hold_all(srcs, touch=True)
+            host.hold_all(srcs, touch=True, distinct=True)  # the slots of distinct keys
             if n > len(dev.free):
                 if n <= dev.capacity - dev.held:
                     self._make_device_room(n - len(dev.free))
@@ -600,8 +600,8 @@ class TieredPool(Movement, TierRoom):
 
         def finish() -> None:
             flags[1] = True
-            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1)
-            host.unhold_all(srcs)
+            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1, distinct=True)
+            host.unhold_all(srcs, distinct=True)
             for slot in targets:
                 if landing.get(slot) is ticket:
                     del landing[slot]
@@ -708,8 +708,8 @@ class TieredPool(Movement, TierRoom):
                     waits.append(ticket.synchronize if ticket is not None else self._progress_waiter("host"))
                 continue
             fetch.append(i)
-        dev.hold_all(on_dev)
-        host.hold_all(on_host, touch=True)
+        dev.hold_all(on_dev, distinct=True)  # the slots of distinct keys
+        host.hold_all(on_host, touch=True, distinct=True)
         if fetch and self._link is None:
             return waits, fetch
         if fetch:
