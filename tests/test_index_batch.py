@@ -37,6 +37,7 @@ def _numpy_everywhere(monkeypatch) -> None:
     monkeypatch.setattr(key_table, "BIND_MANY", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
+    monkeypatch.setattr(tier_index, "MANY", 1)
     monkeypatch.setattr(pool_mod, "MANY", 1)
     monkeypatch.setattr(prefix_mod, "MANY", 1)
 
@@ -334,6 +335,38 @@ def test_key_filled_and_take_free_leave_what_the_state_machine_leaves(monkeypatc
             assert bytes(fast.state) == bytes(slow.state) and fast.counts == slow.counts
             assert list(fast.dirty) == list(slow.dirty) and list(fast.policy) == list(slow.policy)
             assert fast.ids_of(slots) == slow.ids_of(slots) == kids
+
+
+@pytest.mark.parametrize("many", [10**9, 1])
+def test_hold_readable_holds_all_or_nothing(monkeypatch, many):
+    """A load chunk's sources: every id keyed and readable -> their slots, held busy and touched;
+    one id missing or not readable -> None, nothing held."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    monkeypatch.setattr(tier_index, "MANY", many)
+    monkeypatch.setattr(tier_index, "BULK", min(many, 128))
+    index = TierIndex("host", 300, make_policy("lru", 300))
+    slots = index.take_free(200, PageState.LOADING)
+    kids = [os.urandom(16) for _ in slots]
+    index.bind_all(slots, kids)
+    index.set_states(slots, PageState.RESIDENT)
+    index.set_state(slots[7], PageState.DIRTY)
+    index.set_state(slots[7], PageState.OFFLOADING)  # still readable where it is
+    asked = kids[:150]
+    assert index.hold_readable(asked) == slots[:150]
+    assert [index.busy[s] for s in slots[:151]] == [1] * 150 + [0]
+    assert [index.hits[s] for s in slots[:151]] == [1] * 150 + [0]
+    assert not any(s in index.policy for s in slots[:150]) and slots[150] in index.policy
+    index.unhold_all(slots[:150])
+    before = (bytes(index.busy), bytes(index.hits), list(index.policy), index.busy_slots)
+    for bad in ([os.urandom(16)] + kids[150:], kids[150:] + [os.urandom(16)]):
+        assert index.hold_readable(bad) is None
+    fresh = index.take_free(1, PageState.LOADING)
+    index.bind_all(fresh, [b"l" * 16])
+    assert index.hold_readable(kids[150:] + [b"l" * 16]) is None
+    assert (bytes(index.busy), bytes(index.hits), list(index.policy), index.busy_slots) == before
+    assert index.hold_readable([]) == []
+    index.check()
 
 
 def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch):

@@ -75,24 +75,26 @@ class KeyTable:
 
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order: the same probes, every id's step at once in numpy."""
+        if len(kids) < MANY:
+            return self._get_each_inline(kids)
+        return self.get_many_array(kids).tolist()
+
+    def get_many_array(self, kids: list[bytes]) -> np.ndarray:
+        """`get_many` as an int64 array (in numpy from MANY ids)."""
         n = len(kids)
-        if n < MANY:
-            return self._get_each_inline(kids)
         joined = b"".join(kids)
-        if len(joined) != _W * n or not self.capacity:
-            return self._get_each_inline(kids)
+        if n < MANY or len(joined) != _W * n or not self.capacity:
+            return np.array(self._get_each_inline(kids), dtype=np.int64)
         wanted = np.frombuffer(joined, dtype=np.uint64)
         bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & self._mask
         out = self._probe(wanted[0::2], bucket)
-        result = out.tolist()
-        get = self.get
         # An id whose low half matched where its high half does not (two ids alike in their
         # first 8 bytes) is looked up again in full.
         found = np.flatnonzero(out >= 0)
         unsure = found[self._np_ids[out[found], 1] != wanted[1::2][found]]
         for i in unsure.tolist():
-            result[i] = get(kids[i])
-        return result
+            out[i] = self.get(kids[i])
+        return out
 
     def _probe(self, want_lo: np.ndarray, bucket: np.ndarray) -> np.ndarray:
         """Probe every id from `bucket` (its home; updated in place to where its probe stopped)
@@ -374,6 +376,10 @@ class DictKeyTable:
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order (a miss stays in C: dict.get with a default)."""
         return list(map(self._map.get, kids, itertools.repeat(-1)))
+
+    def get_many_array(self, kids: list[bytes]) -> np.ndarray:
+        """`get_many` as an int64 array."""
+        return np.fromiter(map(self._map.get, kids, itertools.repeat(-1)), dtype=np.int64, count=len(kids))
 
     def leading(self, kids) -> list[int]:
         """The slots of the leading ids the table holds (up to the first miss)."""

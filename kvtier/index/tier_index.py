@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvtier.index.eviction import EvictionPolicy
-from kvtier.index.key_table import DictKeyTable, KeyTable
+from kvtier.index.key_table import MANY, DictKeyTable, KeyTable
 from kvtier.index.slot_list import BULK, SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
@@ -31,6 +31,7 @@ _EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
 _READABLE = [s in READABLE for s in PageState]
 _HITS_MAX = 255
 _NP_EVICTABLE = np.array(_EVICTABLE)
+_NP_READABLE = np.array(_READABLE)
 _NP_LEGAL_TO = {new: np.array(row) for new, row in _LEGAL_TO.items()}
 
 
@@ -77,7 +78,7 @@ class TierIndex:
         n = len(slots)
         if n < BULK:
             return None
-        at = np.fromiter(slots, dtype=np.int64, count=n)
+        at = slots if type(slots) is np.ndarray else np.fromiter(slots, dtype=np.int64, count=n)
         if distinct:
             return at
         positions = _POSITIONS[:n] if n <= _POSITIONS.size else np.arange(n, dtype=np.int32)
@@ -498,6 +499,24 @@ class TierIndex:
         if not self.pins[slot]:
             self.held -= 1
             self._refresh(slot)
+
+    def hold_readable(self, kids: list[bytes]) -> list[int] | None:
+        """The slots of distinct ids, held (`hold_all`, touched) when every id is keyed here and
+        readable; else None, with nothing held. From MANY ids the lookup, the check and the hold
+        share one int64 array."""
+        if not kids:
+            return []
+        if len(kids) < MANY:
+            slots = self.table.get_many(kids)
+            if min(slots) < 0 or not all(map(_READABLE.__getitem__, map(self.state.__getitem__, slots))):
+                return None
+            self.hold_all(slots, touch=True, distinct=True)
+            return slots
+        at = self.table.get_many_array(kids)
+        if at.min() < 0 or not _NP_READABLE[self._np_state[at]].all():
+            return None
+        self.hold_all(at, touch=True, distinct=True)
+        return at.tolist()
 
     def hold_all(self, slots: Iterable[int], touch: bool = False, distinct: bool = False) -> None:
         """A copy starts reading or writing each slot: none is evicted until `unhold_all`.

@@ -510,8 +510,7 @@ class TieredPool(Movement, TierRoom):
         moves every layer, so attention over layer i overlaps the copies of the layers after it.
         """
         dev, host, engine = self._dev, self._host, self.engine
-        dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
-        readable = _READABLE
+        dget_many = dev.table.get_many
         landing = self._dev_landing
         out = [-1] * len(ids)
         pinned: list[int] = []  # device pages held where they are
@@ -542,16 +541,15 @@ class TieredPool(Movement, TierRoom):
                         src_ids.append(ids[i])
                         src_pos.append(i)
             if src_ids:
-                srcs = hget_many(src_ids)
-                if min(srcs) < 0 or not all(map(readable.__getitem__, map(hstate.__getitem__, srcs))):
+                # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
+                srcs = host.hold_readable(src_ids)
+                if srcs is None:
                     self._cancel_load_now(pinned, started, pending)
                     return None
             pos = end
             n = len(srcs)
             if not n:
                 continue
-            # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
-            host.hold_all(srcs, touch=True, distinct=True)  # the slots of distinct keys
             if n > len(dev.free):
                 if n <= dev.capacity - dev.held:
                     self._make_device_room(n - len(dev.free))
