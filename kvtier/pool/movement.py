@@ -176,6 +176,22 @@ class Movement:
         self._submit(ticket, finish)
         return ticket
 
+    def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
+        """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
+        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed]."""
+        dev, host, landing = self._dev, self._host, self._dev_landing
+
+        def finish() -> None:
+            flags[1] = True
+            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1, distinct=True)
+            host.unhold_all(srcs, distinct=True)
+            for slot in targets:
+                if landing.get(slot) is ticket:
+                    del landing[slot]
+            self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
+
+        return finish
+
     def _device_copy(self, src: list[int], dst: list[int]) -> Ticket:
         dev = self._dev
         dev.hold_all(src, touch=True)

@@ -358,8 +358,8 @@ class TieredPool(Movement, TierRoom):
         applies the use of the pages it found (eviction order, hit counts, the write policy's
         copies of popular pages) and the counters at once; else it reads the tables without
         the lock and the use is applied when the lock is free, or by the next call that takes
-        it, so a match never queues behind another thread's call. Like any match, the answer is advice: a page can
-        leave before the `load` that follows.
+        it, so a match never queues behind another thread's call. Like any match, the answer
+        is advice: a page can leave before the `load` that follows.
         """
         start = time.perf_counter()
         ids = key_ids(keys)
@@ -590,22 +590,6 @@ class TieredPool(Movement, TierRoom):
                 landing.update(dict.fromkeys(targets, joined))
                 self._submit(joined, self._landed(srcs, targets, joined, flags))
         return LoadHandle(tickets, num_layers, out)
-
-    def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
-        """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
-        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed]."""
-        dev, host, landing = self._dev, self._host, self._dev_landing
-
-        def finish() -> None:
-            flags[1] = True
-            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1, distinct=True)
-            host.unhold_all(srcs, distinct=True)
-            for slot in targets:
-                if landing.get(slot) is ticket:
-                    del landing[slot]
-            self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
-
-        return finish
 
     def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
         """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
