@@ -35,9 +35,9 @@ def _numpy_everywhere(monkeypatch) -> None:
     past the first in chunks."""
     monkeypatch.setattr(key_table, "MANY", 1)
     monkeypatch.setattr(key_table, "BIND_MANY", 1)
-    monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
+    monkeypatch.setattr(tier_index, "MANY", 1)
     monkeypatch.setattr(pool_mod, "MANY", 1)
     monkeypatch.setattr(prefix_mod, "MANY", 1)
 
@@ -154,6 +154,25 @@ def test_prefix_walks_find_what_one_lookup_at_a_time_finds(monkeypatch, many):
                     break
                 lead.append(table.get(kid))
             assert prefix_mod.leading_slots(table, ids) == lead, trial
+
+
+@pytest.mark.parametrize("many", [1, 7, 512])
+def test_walk_slots_finds_what_walk_and_leading_slots_find(monkeypatch, many):
+    """The walk that keeps its slots (a match under the lock) counts what `walk` counts and
+    finds each tier's leading slots, pages held by both tiers included."""
+    monkeypatch.setattr(prefix_mod, "MANY", many)
+    rng = random.Random(many + 1)
+    for trial in range(40):
+        n = rng.choice([1, 5, 31, 33, 40, 600, 3000])
+        ids = [os.urandom(16) for _ in range(n)]
+        dev, host = DictKeyTable(n), KeyTable(n)
+        where = [rng.choices("dhbx", weights=(4, 4, 3, 1 if trial % 3 else 0.01))[0] for _ in range(n)]
+        dev.bind_many([k for k, w in zip(ids, where) if w in "db"], [i for i, w in enumerate(where) if w in "db"])
+        host.bind_many([k for k, w in zip(ids, where) if w in "hb"], [i for i, w in enumerate(where) if w in "hb"])
+        d, h, _, end = _walk_one_by_one(dev, host, ids, 0, None)
+        got = prefix_mod.walk_slots(dev, host, ids)
+        assert got == (d, h, prefix_mod.leading_slots(dev, ids), prefix_mod.leading_slots(host, ids)), trial
+        assert d + h == end
 
 
 # --- KeyTable.get_many -----------------------------------------------------------------------
@@ -279,6 +298,75 @@ def test_index_batch_checks_agree_with_the_loops(monkeypatch):
             answers.append((index.first_unfresh(slots[500:]), index.first_unfresh(slots[3:]), index.idle(slots)))
         assert answers[2] == answers[3] == (slots[1000], slots[3], slots[7:])
         assert index.ids_of(slots[1000:]) == kids[1000:]
+
+
+@pytest.mark.parametrize("bulk", [10**9, 1])
+def test_key_filled_and_take_free_leave_what_the_state_machine_leaves(monkeypatch, bulk):
+    """A commit's one pass (key_filled) and take_free's leave each slot, count, list and key
+    as bind_all and set_states do, below and above BULK."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    monkeypatch.setattr(tier_index, "BULK", bulk)
+    monkeypatch.setattr(slot_list, "BULK", bulk)
+    rng = random.Random(bulk)
+    for compact in (False, True):
+        fast = TierIndex("device", 600, make_policy("lru", 600), compact_keys=compact)
+        slow = TierIndex("device", 600, make_policy("lru", 600), compact_keys=compact)
+        for _ in range(6):
+            n = rng.randint(0, 90)
+            slots = fast.take_free(n, PageState.FILLING)
+            free = slow.free
+            want = free[len(free) - len(slots):].tolist()[::-1]
+            del free[len(free) - len(slots):]
+            slow.set_states(want, PageState.FILLING)
+            assert slots == want
+            fast.pin_all(slots)
+            slow.pin_all(slots)
+            kids = [os.urandom(16) for _ in slots]
+            clean = set(rng.sample(slots, len(slots) // 3))
+            fast.key_filled(slots, kids, clean)
+            slow.bind_all(slots, kids)
+            slow.set_states([s for s in slots if s in clean], PageState.RESIDENT)
+            slow.set_states([s for s in slots if s not in clean], PageState.DIRTY)
+            let_go = rng.sample(slots, len(slots) // 2)
+            for index in (fast, slow):
+                index.set_states(index.unpin_all(let_go), PageState.FREE)
+                index.check()
+            assert bytes(fast.state) == bytes(slow.state) and fast.counts == slow.counts
+            assert list(fast.dirty) == list(slow.dirty) and list(fast.policy) == list(slow.policy)
+            assert fast.ids_of(slots) == slow.ids_of(slots) == kids
+
+
+@pytest.mark.parametrize("many", [10**9, 1])
+def test_hold_readable_holds_all_or_nothing(monkeypatch, many):
+    """A load chunk's sources: every id keyed and readable -> their slots, held busy and touched;
+    one id missing or not readable -> None, nothing held."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    monkeypatch.setattr(tier_index, "MANY", many)
+    monkeypatch.setattr(tier_index, "BULK", min(many, 128))
+    index = TierIndex("host", 300, make_policy("lru", 300))
+    slots = index.take_free(200, PageState.LOADING)
+    kids = [os.urandom(16) for _ in slots]
+    index.bind_all(slots, kids)
+    index.set_states(slots, PageState.RESIDENT)
+    index.set_state(slots[7], PageState.DIRTY)
+    index.set_state(slots[7], PageState.OFFLOADING)  # still readable where it is
+    asked = kids[:150]
+    assert index.hold_readable(asked) == slots[:150]
+    assert [index.busy[s] for s in slots[:151]] == [1] * 150 + [0]
+    assert [index.hits[s] for s in slots[:151]] == [1] * 150 + [0]
+    assert not any(s in index.policy for s in slots[:150]) and slots[150] in index.policy
+    index.unhold_all(slots[:150])
+    before = (bytes(index.busy), bytes(index.hits), list(index.policy), index.busy_slots)
+    for bad in ([os.urandom(16)] + kids[150:], kids[150:] + [os.urandom(16)]):
+        assert index.hold_readable(bad) is None
+    fresh = index.take_free(1, PageState.LOADING)
+    index.bind_all(fresh, [b"l" * 16])
+    assert index.hold_readable(kids[150:] + [b"l" * 16]) is None
+    assert (bytes(index.busy), bytes(index.hits), list(index.policy), index.busy_slots) == before
+    assert index.hold_readable([]) == []
+    index.check()
 
 
 def test_extend_and_discard_many_keep_the_order_one_at_a_time_keeps(monkeypatch):
@@ -438,7 +526,6 @@ def test_get_many_tells_ids_apart_that_share_their_low_half(monkeypatch):
     """The numpy lookup compares the low 8 bytes of ids while probing: an id whose home bucket
     holds another id with the same low half (made here by search) must still be told apart."""
     monkeypatch.setattr(key_table, "MANY", 1)
-    monkeypatch.setattr(key_table, "PROBE_TAIL", 1)
     rng = random.Random(5)
     capacity = 256
     table = KeyTable(capacity)
@@ -457,8 +544,44 @@ def test_get_many_tells_ids_apart_that_share_their_low_half(monkeypatch):
         want += [slot + 1 if slot % 4 == 0 else -1, slot]
     assert [table.get(k) for k in asked] == want
     assert table.get_many(asked) == want
-    monkeypatch.setattr(key_table, "PROBE_TAIL", 64)  # the ids still probing go one by one
+    monkeypatch.setattr(key_table, "_WINDOW_STEPS", key_table._WINDOW_STEPS[:1])  # one bucket a pass
     assert table.get_many(asked) == want
+
+
+@pytest.mark.parametrize("window", [1, key_table.WINDOW])
+def test_probe_runs_longer_than_a_window(monkeypatch, window):
+    """Ids that share one home bucket make a probe run several windows long: the numpy lookups
+    and binds walk it pass after pass and agree with the one-at-a-time paths, before and after
+    backward shifts."""
+    monkeypatch.setattr(key_table, "MANY", 1)
+    monkeypatch.setattr(key_table, "BIND_MANY", 1)
+    monkeypatch.setattr(key_table, "_WINDOW_STEPS", key_table._WINDOW_STEPS[:window])
+    rng = random.Random(11)
+    capacity = 256
+    one, batch = KeyTable(capacity), KeyTable(capacity)
+    mask = one._mask
+    home = 500  # near the end of the 512 buckets: the run wraps around to bucket 0
+    twins = []
+    while len(twins) < 70:
+        kid = rng.randbytes(16)
+        if hash(kid) & mask == home:
+            twins.append(kid)
+    others = [rng.randbytes(16) for _ in range(60)]
+    for slot, kid in enumerate(twins[:30] + others[:30]):
+        one.bind(kid, slot)
+        batch.bind(kid, slot)
+    late = twins[30:] + others[30:]
+    slots = list(range(60, 60 + len(late)))
+    for slot, kid in zip(slots, late):
+        one.bind(kid, slot)
+    batch.bind_many(late, slots)
+    every = twins + others + [rng.randbytes(16) for _ in range(40)]
+    want = [one.get(k) for k in every]
+    assert batch.get_many(every) == [batch.get(k) for k in every] == want
+    for slot in rng.sample(range(60 + len(late)), 50):
+        one.unbind(slot)
+        batch.unbind(slot)
+    assert batch.get_many(every) == [one.get(k) for k in every]
 
 
 @pytest.mark.parametrize("compact", [True, False])

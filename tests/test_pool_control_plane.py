@@ -40,8 +40,11 @@ TINY = PageFormat(num_layers=1, num_kv_heads=1, head_dim=16, page_size=1, dtype=
 
 
 def _full_pool(host_pages: int, device_pages: int, policy: str = "write_through"):
+    # No offload thread: a thread that holds the lock for a moment would send a match down its
+    # other path (read without the lock, applied later), and the line counts would differ by
+    # the interleaving, not by the tier's size.
     pool = TieredPool(TINY, device_pages=device_pages, host_pages=host_pages, write_policy=policy,
-                      engine=NoCopyEngine, registry=CollectorRegistry())
+                      engine=NoCopyEngine, registry=CollectorRegistry(), background_copies=False)
     keys = prefix_keys(np.arange(host_pages), 1, pool.namespace)
     chunk = min(4096, device_pages)
     for start in range(0, host_pages, chunk):

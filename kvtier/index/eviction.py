@@ -47,10 +47,18 @@ class EvictionPolicy(ABC):
         for slot in slots:
             self.remove(slot)
 
+    def remove_many_distinct(self, slots: np.ndarray) -> None:
+        """`remove_many` of an int64 array of distinct slots."""
+        self.remove_many(slots.tolist())
+
     def touch_many(self, slots: list[int]) -> None:
         """`touch` of each slot, in order."""
         for slot in slots:
             self.touch(slot)
+
+    def touch_many_distinct(self, slots: np.ndarray) -> None:
+        """`touch_many` of an int64 array of distinct slots."""
+        self.touch_many(slots.tolist())
 
     @abstractmethod
     def victims(self, n: int) -> list[int]:
@@ -77,6 +85,7 @@ class LRUPolicy(SlotList, EvictionPolicy):
     add_many = SlotList.extend
     add_many_distinct = SlotList.extend_distinct
     remove_many = SlotList.discard_many
+    remove_many_distinct = SlotList.discard_distinct
 
     def touch_many(self, slots: list[int]) -> None:
         if len(slots) >= slot_list.BULK:  # the listed ones picked in numpy
@@ -85,6 +94,9 @@ class LRUPolicy(SlotList, EvictionPolicy):
             return
         member = self._member
         self.extend([slot for slot in slots if member[slot]])
+
+    def touch_many_distinct(self, slots: np.ndarray) -> None:
+        self.extend_distinct(slots[self._np_member[slots] != 0])
 
 
 POLICIES = {"lru": LRUPolicy}

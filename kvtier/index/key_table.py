@@ -21,7 +21,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from kvtier.index.keys import KEY_ID_BYTES
-from kvtier.index.slot_list import first_of_each
 
 _EMPTY = -1
 _W = KEY_ID_BYTES
@@ -35,7 +34,9 @@ MANY = 128
 # with a sort a step cost as much as the inline loop at 128 ids (0.62 µs a key, 2-core VM, a
 # table of 256 Ki slots a third full), less from 256 (0.46 against 0.63; 0.36 against 0.62 at 512).
 BIND_MANY = 256
-PROBE_TAIL = 64  # ids still probing after a numpy step, fewer than this: one by one
+# Buckets a numpy probe step reads for each id still probing after its first bucket.
+WINDOW = 8
+_WINDOW_STEPS = np.arange(1, WINDOW + 1, dtype=np.int64)
 
 
 class KeyTable:
@@ -74,32 +75,35 @@ class KeyTable:
 
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order: the same probes, every id's step at once in numpy."""
+        if len(kids) < MANY:
+            return self._get_each_inline(kids)
+        return self.get_many_array(kids).tolist()
+
+    def get_many_array(self, kids: list[bytes]) -> np.ndarray:
+        """`get_many` as an int64 array (in numpy from MANY ids)."""
         n = len(kids)
-        if n < MANY:
-            return self._get_each_inline(kids)
         joined = b"".join(kids)
-        if len(joined) != _W * n or not self.capacity:
-            return self._get_each_inline(kids)
+        if n < MANY or len(joined) != _W * n or not self.capacity:
+            return np.array(self._get_each_inline(kids), dtype=np.int64)
         wanted = np.frombuffer(joined, dtype=np.uint64)
         bucket = np.fromiter(map(hash, kids), dtype=np.int64, count=n) & self._mask
-        out, pending = self._probe(wanted[0::2], bucket, PROBE_TAIL)
-        result = out.tolist()
-        get = self.get
+        out = self._probe(wanted[0::2], bucket)
         # An id whose low half matched where its high half does not (two ids alike in their
-        # first 8 bytes) is looked up again in full, as are the ids still probing.
+        # first 8 bytes) is looked up again in full.
         found = np.flatnonzero(out >= 0)
         unsure = found[self._np_ids[out[found], 1] != wanted[1::2][found]]
-        for i in itertools.chain(pending.tolist(), unsure.tolist()):
-            result[i] = get(kids[i])
-        return result
+        for i in unsure.tolist():
+            out[i] = self.get(kids[i])
+        return out
 
-    def _probe(self, want_lo: np.ndarray, bucket: np.ndarray, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    def _probe(self, want_lo: np.ndarray, bucket: np.ndarray) -> np.ndarray:
         """Probe every id from `bucket` (its home; updated in place to where its probe stopped)
-        comparing the low 8 bytes of ids only: (the slot where each id's low half matched, else
-        -1; the ids still probing once fewer than `tail` are). Every id's first bucket at once
-        (an empty bucket, -1, reads the last slot's id: `keyed` masks it), then one step of the
-        ids still probing at a time: at most half the buckets are taken, so few take more than
-        a step or two."""
+        comparing the low 8 bytes of ids only: the slot where each id's low half matched, else
+        -1. Every id's first bucket at once
+        (an empty bucket, -1, reads the last slot's id: `keyed` masks it), then the next WINDOW
+        buckets of every id still probing at once, as many times as some id needs: at most half
+        the buckets are taken, so a run of taken buckets longer than a window is rare, and an
+        id's probe costs one or two numpy passes instead of one per bucket."""
         mask, buckets, lo_of = self._mask, self._np_buckets, self._np_ids[:, 0]
         out = np.full(want_lo.size, _EMPTY, dtype=np.int64)
         slot = buckets[bucket]
@@ -107,15 +111,20 @@ class KeyTable:
         hit = (lo_of[slot] == want_lo) & keyed
         out[hit] = slot[hit]
         pending = np.flatnonzero(keyed & ~hit)
-        while pending.size and pending.size >= tail:
-            at = (bucket[pending] + 1) & mask
-            bucket[pending] = at
+        while pending.size:
+            at = (bucket[pending, None] + _WINDOW_STEPS) & mask  # (pending, WINDOW) buckets
             slot = buckets[at]
             keyed = slot >= 0
-            hit = (lo_of[slot] == want_lo[pending]) & keyed
-            out[pending[hit]] = slot[hit]
-            pending = pending[keyed & ~hit]
-        return out, pending
+            stop = ~keyed | ((lo_of[slot] == want_lo[pending, None]) & keyed)
+            first = stop.argmax(axis=1)  # the first bucket where each id's probe stops (0 if none)
+            rows = np.arange(pending.size)
+            stopped = stop[rows, first]
+            ends = slot[rows, first]
+            hit = stopped & (ends >= 0)
+            out[pending[hit]] = ends[hit]
+            bucket[pending] = np.where(stopped, at[rows, first], at[:, -1])
+            pending = pending[~stopped]
+        return out
 
     def _get_each_inline(self, kids) -> list[int]:
         """`get` of each id, the probe loop inline (a short batch: no call per id)."""
@@ -187,9 +196,9 @@ class KeyTable:
     def bind_many(self, kids: list[bytes], slots: list[int]) -> None:
         """`bind` of each id to its slot. From BIND_MANY ids, in numpy when the slots hold no key and
         are distinct and the ids are distinct and unmapped (checked before anything changes):
-        every id still probing takes one step at a time, an empty bucket goes to the first id
-        that reaches it, and the others probe on, so every id sits past only taken buckets, as
-        `bind` would leave it. Otherwise one at a time (which raises on the first bad pair)."""
+        each id probes to its first empty bucket, one id of those that reach the same bucket
+        takes it and the others probe on, so every id sits past only taken buckets, as `bind`
+        would leave it. Otherwise one at a time (which raises on the first bad pair)."""
         n = len(kids)
         if n < BIND_MANY or not self._bind_many_numpy(kids, slots):
             self._bind_each_inline(kids, slots)
@@ -246,26 +255,40 @@ class KeyTable:
         # (bind one at a time decides); every other id stopped at an empty bucket, past only
         # taken ones, so it is not mapped, and is placed from there.
         bucket = home.copy()
-        found, _ = self._probe(wanted[0::2], bucket, 1)
+        found = self._probe(wanted[0::2], bucket)
         if (found >= 0).any():
             return False
         self._np_ids[at] = wanted.reshape(n, 2)
         self._np_home[at] = home
-        # Every id still to place takes one step at a time: an empty bucket goes to the first id
-        # that reaches it, the others probe on, so every id sits past only taken buckets, as
-        # `bind` would leave it.
-        pending = np.arange(n)
-        while pending.size:
-            empty = buckets[bucket] == _EMPTY
-            taken, first = first_of_each(bucket[empty])
-            winners = pending[empty][first]
-            buckets[taken] = at[winners]
-            bucket_of[at[winners]] = taken
-            placed = np.zeros(pending.size, dtype=bool)
-            placed[np.flatnonzero(empty)[first]] = True
-            pending, bucket = pending[~placed], (bucket[~placed] + 1) & mask
+        # Every slot still to place writes itself into its id's empty bucket and reads it back:
+        # one of the ids that reached a bucket keeps it, the others probe on to their next empty
+        # bucket, so every id sits past only taken buckets, as `bind` would leave it.
+        pending = at
+        while True:
+            buckets[bucket] = pending
+            won = buckets[bucket] == pending
+            bucket_of[pending[won]] = bucket[won]
+            if won.all():
+                break
+            pending = pending[~won]
+            bucket = self._next_empty((bucket[~won] + 1) & mask)
         self._len += n
         return True
+
+    def _next_empty(self, bucket: np.ndarray) -> np.ndarray:
+        """The first empty bucket at or after each of `bucket`, WINDOW buckets a numpy pass."""
+        mask, buckets = self._mask, self._np_buckets
+        out = bucket.copy()
+        todo = np.arange(out.size)
+        while todo.size:
+            at = (out[todo, None] + _WINDOW_STEPS - 1) & mask
+            empty = buckets[at] == _EMPTY
+            first = empty.argmax(axis=1)
+            rows = np.arange(todo.size)
+            found = empty[rows, first]
+            out[todo] = np.where(found, at[rows, first], (at[:, -1] + 1) & mask)
+            todo = todo[~found]
+        return out
 
     def ids_of(self, slots) -> list[bytes]:
         """`id_of` of each slot, in order (numpy from MANY slots)."""
@@ -353,6 +376,10 @@ class DictKeyTable:
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order (a miss stays in C: dict.get with a default)."""
         return list(map(self._map.get, kids, itertools.repeat(-1)))
+
+    def get_many_array(self, kids: list[bytes]) -> np.ndarray:
+        """`get_many` as an int64 array."""
+        return np.fromiter(map(self._map.get, kids, itertools.repeat(-1)), dtype=np.int64, count=len(kids))
 
     def leading(self, kids) -> list[int]:
         """The slots of the leading ids the table holds (up to the first miss)."""

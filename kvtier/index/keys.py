@@ -74,6 +74,9 @@ def key_id(key: str | bytes) -> bytes:
 ID_CACHE_GENERATION = 1 << 15
 ID_CACHE_GENERATION_CHARS = 1 << 21
 ID_CACHE_MAX_KEY = 1 << 12
+# New keys are hashed and cached in one pass from this many keys a batch (below it, one at a
+# time costs no more).
+_FILL_BATCH = 32
 _young: dict = {}
 _old: dict = {}
 _PLAIN = {bytes, str}
@@ -112,19 +115,67 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
 
     Raises TypeError / ValueError naming the first bad key and its position.
     """
-    global _young, _old, _young_chars
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
     if type(keys) is not list and type(keys) is not tuple:
         keys = list(keys)
-    # Every key of a batch seen just now (a load after its match, a step after the last): in C.
-    if len(keys) >= 8:
-        try:
-            out = list(map(_young.get, keys))
-        except TypeError:  # an unhashable key: the loop below names it
-            out = [None]
-        if None not in out and set(map(type, keys)) <= _PLAIN:
+    # A batch of plain, non-empty keys in C: the ids seen just now (a load after its match, a
+    # step after the last) read from the young generation, the others found or hashed in one
+    # pass and cached in one update.
+    try:
+        out = list(map(_young.get, keys))
+    except TypeError:  # an unhashable key: the loop names it
+        return _key_ids_each(keys)
+    if None not in out:  # (only non-empty keys are ever cached)
+        if set(map(type, keys)) <= _PLAIN:
             return out
+    elif len(out) >= _FILL_BATCH and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out):
+        return out
+    return _key_ids_each(keys)
+
+
+def _fill_new(keys: list, out: list) -> bool:
+    """Fill in the ids `out` lacks (None) of plain non-empty `keys`: from the old generation, else
+    hashed; all of them cached in the young generation at once. False, with nothing changed,
+    when they would turn the generation over or a key is too long to cache (the loop does
+    those one at a time)."""
+    global _young_chars
+    if out.count(None) == len(out):  # every key new (a commit): no positions to keep
+        at, new = None, keys
+    else:
+        at = [i for i, kid in enumerate(out) if kid is None]
+        new = [keys[i] for i in at]
+    young = _young
+    chars = sum(map(len, new))
+    if (max(map(len, new)) > ID_CACHE_MAX_KEY or len(young) + len(new) >= ID_CACHE_GENERATION
+            or _young_chars + chars >= ID_CACHE_GENERATION_CHARS):
+        return False
+    ids = list(map(_old.get, new))
+    if None in ids:
+        bytes_id, str_id = _BYTES_ID.copy, _STR_ID.copy
+        for j, kid in enumerate(ids):
+            if kid is None:
+                key = new[j]
+                if type(key) is bytes:
+                    h = bytes_id()
+                    h.update(key)
+                else:
+                    h = str_id()
+                    h.update(key.encode("utf-8", "surrogatepass"))
+                ids[j] = h.digest()
+    young.update(zip(new, ids))
+    _young_chars += chars
+    if at is None:
+        out[:] = ids
+    else:
+        for i, kid in zip(at, ids):
+            out[i] = kid
+    return True
+
+
+def _key_ids_each(keys) -> list[bytes]:
+    """`key_ids` one key at a time: names a bad key, and turns the cache's generations over."""
+    global _young, _old, _young_chars
     out = []
     append = out.append
     str_id, bytes_id = _STR_ID, _BYTES_ID

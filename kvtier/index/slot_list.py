@@ -103,6 +103,20 @@ class SlotList:
             return
         self.extend_distinct(np.asarray(slots, dtype=np.int64))
 
+    def extend_unlisted(self, slots: list[int]) -> None:
+        """`extend` of a short list of distinct slots none of which is listed (no check): one
+        loop that links them in a chain, no call per slot."""
+        nxt, prv, member, head = self._next, self._prev, self._member, self._head
+        last = prv[head]
+        for slot in slots:
+            nxt[last] = slot
+            prv[slot] = last
+            member[slot] = 1
+            last = slot
+        nxt[last] = head
+        prv[head] = last
+        self._len += len(slots)
+
     def extend_distinct(self, new: np.ndarray) -> None:
         """`extend` of an int64 array of slots the caller knows to be distinct (no check)."""
         if new.size < BULK:
@@ -112,7 +126,7 @@ class SlotList:
             return
         listed = new[self._np_member[new] != 0]
         if listed.size:
-            self.discard_many(listed)
+            self.discard_distinct(listed)
         nxt, prv, head = self._np_next, self._np_prev, self._head
         last = int(prv[head])
         nxt[new[:-1]] = new[1:]
@@ -137,7 +151,19 @@ class SlotList:
             for slot in slots:
                 discard(slot)
             return
-        gone = first_of_each(np.asarray(slots, dtype=np.int64))[0]
+        self._discard_sorted(first_of_each(np.asarray(slots, dtype=np.int64))[0])
+
+    def discard_distinct(self, slots: np.ndarray) -> None:
+        """`discard_many` of an int64 array of slots the caller knows to be distinct."""
+        if slots.size < BULK:
+            discard = self.discard
+            for slot in slots.tolist():
+                discard(slot)
+            return
+        self._discard_sorted(np.sort(slots))
+
+    def _discard_sorted(self, gone: np.ndarray) -> None:
+        """`discard_many` of sorted, distinct slots."""
         gone = gone[self._np_member[gone] != 0]
         if not gone.size:
             return

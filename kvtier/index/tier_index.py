@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvtier.index.eviction import EvictionPolicy
-from kvtier.index.key_table import DictKeyTable, KeyTable
+from kvtier.index.key_table import MANY, DictKeyTable, KeyTable
 from kvtier.index.slot_list import BULK, SlotList
 from kvtier.index.states import LEGAL, READABLE, PageState, check_transition
 
@@ -31,6 +31,7 @@ _EVICTABLE = [s in (S.RESIDENT, S.DIRTY) for s in PageState]
 _READABLE = [s in READABLE for s in PageState]
 _HITS_MAX = 255
 _NP_EVICTABLE = np.array(_EVICTABLE)
+_NP_READABLE = np.array(_READABLE)
 _NP_LEGAL_TO = {new: np.array(row) for new, row in _LEGAL_TO.items()}
 
 
@@ -68,15 +69,18 @@ class TierIndex:
         self._np_busy = np.frombuffer(self.busy, dtype=np.int32)
         self._np_hits = np.frombuffer(self.hits, dtype=np.uint8)
 
-    def _unique_slots(self, slots) -> np.ndarray | None:
+    def _unique_slots(self, slots, distinct: bool = False) -> np.ndarray | None:
         """A long batch as an int64 array when no slot repeats in it (the numpy paths' condition),
         else None (the one-at-a-time loops, which apply repeats in order). Each slot's position
         is written to a scratch array and read back: a repeated slot reads back one position at
-        both places (13 µs for 4,096 slots, against 358 for np.unique's sort, on a 2-core VM)."""
+        both places (13 µs for 4,096 slots, against 358 for np.unique's sort, on a 2-core VM).
+        distinct: the caller knows no slot repeats (the slots of distinct keys): no check."""
         n = len(slots)
         if n < BULK:
             return None
-        at = np.fromiter(slots, dtype=np.int64, count=n)
+        at = slots if type(slots) is np.ndarray else np.fromiter(slots, dtype=np.int64, count=n)
+        if distinct:
+            return at
         positions = _POSITIONS[:n] if n <= _POSITIONS.size else np.arange(n, dtype=np.int32)
         stamp = self._stamp
         stamp[at] = positions
@@ -156,16 +160,17 @@ class TierIndex:
     def set_state(self, slot: int, new: PageState) -> None:
         self.set_states((slot,), new)
 
-    def set_states(self, slots: Sequence[int], new: PageState, busy_delta: int = 0) -> None:
+    def set_states(self, slots: Sequence[int], new: PageState, busy_delta: int = 0, distinct: bool = False) -> None:
         """Move every slot to `new` (each transition checked), and change its copies in
         flight by `busy_delta` (+1: a copy starts using it, -1: a copy finished).
 
         One loop for the whole batch: this is the pool's hot path. Moving to FREE forgets the
-        key and returns the slot to the free list.
+        key and returns the slot to the free list. distinct: the caller knows no slot repeats
+        (slots of distinct keys, or fresh from the free list), so a long batch skips that check.
         """
         if not slots:
             return
-        if new != _FREE and len(slots) >= BULK and self._set_states_bulk(slots, new, busy_delta):
+        if new != _FREE and len(slots) >= BULK and self._set_states_bulk(slots, new, busy_delta, distinct):
             return
         state, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
         legal, evictable, was_evictable = _LEGAL_TO[new], _EVICTABLE[new], _EVICTABLE
@@ -176,6 +181,7 @@ class TierIndex:
         # evictable and it is neither pinned nor busy.
         # A long batch hands its eviction-order changes over in one call at the end (numpy).
         adds, removes = ([], []) if len(slots) >= BULK else (None, None)
+        listing = None
         if new == _FREE:
             unbind, hits, free = self.table.unbind, self.hits, self.free
             remove = self.policy.remove if removes is None else removes.append
@@ -199,6 +205,9 @@ class TierIndex:
                 count += 1
         elif not busy_delta:
             add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
+            # Slots turning DIRTY join the dirty list at the end, in one chain after the loop
+            # (each is off it by then: a slot that was DIRTY left it first), unless one repeats.
+            listing = [] if into_dirty else None
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -209,7 +218,7 @@ class TierIndex:
                 if old == _DIRTY:
                     dirty.discard(slot)
                 if into_dirty:
-                    dirty.append(slot)
+                    listing.append(slot)
                 if evictable != was_evictable[old] and not busy[slot] and not pins[slot]:
                     if evictable:
                         add(slot)
@@ -217,6 +226,7 @@ class TierIndex:
                         remove(slot)
         else:
             add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
+            listing = [] if into_dirty else None
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -227,7 +237,7 @@ class TierIndex:
                 if old == _DIRTY:
                     dirty.discard(slot)
                 if into_dirty:
-                    dirty.append(slot)
+                    listing.append(slot)
                 before = busy[slot]
                 after = before + busy_delta
                 assert after >= 0, f"{self.name} slot {slot} has no copy in flight"
@@ -241,16 +251,21 @@ class TierIndex:
                     if evictable and not pins[slot]:
                         add(slot)
         counts[new] += count
+        if listing:
+            if len(set(listing)) == len(listing):
+                dirty.extend_unlisted(listing)
+            else:
+                dirty.extend(listing)
         if removes:  # each loop above only adds or only removes
             self.policy.remove_many(removes)
         if adds:
             self.policy.add_many(adds)
 
-    def _set_states_bulk(self, slots: Sequence[int], new: PageState, busy_delta: int) -> bool:
+    def _set_states_bulk(self, slots: Sequence[int], new: PageState, busy_delta: int, distinct: bool) -> bool:
         """`set_states` of a long batch of distinct slots to a state other than FREE, in numpy;
         False (nothing changed) when a slot repeats or a transition is illegal, for the loops to
         apply or report."""
-        at = self._unique_slots(slots)
+        at = self._unique_slots(slots, distinct)
         if at is None:
             return False
         state, busy, pins = self._np_state, self._np_busy, self._np_pins
@@ -263,10 +278,16 @@ class TierIndex:
             return False  # the loop names the slot
         evictable = _EVICTABLE[new]
         unpinned = pins[at] == 0
-        if busy_delta:
-            started, ended = before == 0, (before > 0) & (after == 0)
-            self.busy_slots += int(started.sum()) - int(ended.sum())
+        if busy_delta > 0:  # copies start: slots idle before leave the eviction order
+            started = before == 0
+            self.busy_slots += int(started.sum())
             leaving = at[started & _NP_EVICTABLE[old] & unpinned]
+            joining = at[:0]
+            busy[at] = after
+        elif busy_delta:  # copies end: slots idle now may join it
+            ended = after == 0
+            self.busy_slots -= int(ended.sum())
+            leaving = at[:0]
             joining = at[ended & unpinned] if evictable else at[:0]
             busy[at] = after
         else:
@@ -283,9 +304,9 @@ class TierIndex:
         else:
             was_dirty = at[old == _DIRTY]
             if was_dirty.size:
-                self.dirty.discard_many(was_dirty)
+                self.dirty.discard_distinct(was_dirty)
         if leaving.size:
-            self.policy.remove_many(leaving)
+            self.policy.remove_many_distinct(leaving)
         if joining.size:
             self.policy.add_many_distinct(joining)
         return True
@@ -303,10 +324,28 @@ class TierIndex:
         take = min(n, len(free))
         if not take:
             return []
+        if state != S.FILLING and state != S.LOADING:
+            raise AssertionError(f"{self.name}: free slots are taken FILLING or LOADING, not {PageState(state).name}")
         slots = free[len(free) - take :].tolist()
         slots.reverse()
         del free[len(free) - take :]
-        self.set_states(slots, state, busy_delta)
+        # A free slot is unkeyed, unheld, idle and on no list, and FILLING and LOADING pages
+        # join none: only its state and copies change.
+        if take >= BULK:
+            at = np.array(slots, dtype=np.int64)
+            self._np_state[at] = state
+            if busy_delta:
+                self._np_busy[at] = busy_delta
+        else:
+            state_of, busy = self.state, self.busy
+            for slot in slots:
+                state_of[slot] = state
+                if busy_delta:
+                    busy[slot] = busy_delta
+        self.counts[S.FREE] -= take
+        self.counts[state] += take
+        if busy_delta:
+            self.busy_slots += take
         return slots
 
     def take_bound(self, kids: Sequence[bytes]) -> list[int]:
@@ -381,6 +420,37 @@ class TierIndex:
         for slot, kid in zip(slots, kids):
             bind(kid, slot)
 
+    def key_filled(self, slots: list[int], kids: list[bytes], clean: set[int] | None = None) -> None:
+        """Distinct FILLING slots the engine holds, idle and unkeyed (as `first_unfresh` found
+        them), take their keys and become DIRTY pages, or RESIDENT where in `clean`: one pass
+        with no transition checks (both are legal from FILLING, and a held slot joins no
+        eviction order until the engine lets it go)."""
+        n = len(slots)
+        if not n:
+            return
+        self.bind_all(slots, kids)
+        dirty = [slot for slot in slots if slot not in clean] if clean else slots
+        if n >= BULK:
+            self._np_state[np.array(slots, dtype=np.int64)] = _DIRTY
+            if clean:
+                self._np_state[np.array(list(clean), dtype=np.int64)] = int(S.RESIDENT)
+            if dirty:
+                self.dirty.extend_distinct(np.array(dirty, dtype=np.int64))
+        else:
+            state = self.state
+            for slot in dirty:
+                state[slot] = _DIRTY
+            if clean:
+                resident = int(S.RESIDENT)
+                for slot in clean:
+                    state[slot] = resident
+            if dirty:
+                self.dirty.extend_unlisted(dirty)
+        counts = self.counts
+        counts[_FILLING] -= n
+        counts[_DIRTY] += len(dirty)
+        counts[S.RESIDENT] += n - len(dirty)
+
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:
             self.held += 1
@@ -430,14 +500,33 @@ class TierIndex:
             self.held -= 1
             self._refresh(slot)
 
-    def hold_all(self, slots: Iterable[int], touch: bool = False) -> None:
-        """A copy starts reading or writing each slot: none is evicted until `unhold_all`."""
-        at = self._unique_slots(slots)
+    def hold_readable(self, kids: list[bytes]) -> list[int] | None:
+        """The slots of distinct ids, held (`hold_all`, touched) when every id is keyed here and
+        readable; else None, with nothing held. From MANY ids the lookup, the check and the hold
+        share one int64 array."""
+        if not kids:
+            return []
+        if len(kids) < MANY:
+            slots = self.table.get_many(kids)
+            if min(slots) < 0 or not all(map(_READABLE.__getitem__, map(self.state.__getitem__, slots))):
+                return None
+            self.hold_all(slots, touch=True, distinct=True)
+            return slots
+        at = self.table.get_many_array(kids)
+        if at.min() < 0 or not _NP_READABLE[self._np_state[at]].all():
+            return None
+        self.hold_all(at, touch=True, distinct=True)
+        return at.tolist()
+
+    def hold_all(self, slots: Iterable[int], touch: bool = False, distinct: bool = False) -> None:
+        """A copy starts reading or writing each slot: none is evicted until `unhold_all`.
+        distinct: the caller knows no slot repeats (as for `set_states`)."""
+        at = self._unique_slots(slots, distinct)
         if at is not None:
             before = self._np_busy[at]
             self.busy_slots += int((before == 0).sum())
             self._np_busy[at] = before + 1
-            self.policy.remove_many(at)
+            self.policy.remove_many_distinct(at)
             if touch:
                 hits = self._np_hits
                 hits[at] = np.minimum(hits[at].astype(np.int16) + 1, _HITS_MAX)
@@ -455,8 +544,8 @@ class TierIndex:
         if removes:
             self.policy.remove_many(removes)
 
-    def unhold_all(self, slots: Iterable[int]) -> None:
-        at = self._unique_slots(slots)
+    def unhold_all(self, slots: Iterable[int], distinct: bool = False) -> None:
+        at = self._unique_slots(slots, distinct)
         if at is not None:
             left = self._np_busy[at] - 1
             if not (left < 0).any():  # else the loop names the slot
@@ -492,7 +581,7 @@ class TierIndex:
         if at is not None:
             hits = self._np_hits
             hits[at] = np.minimum(hits[at], _HITS_MAX - 1) + 1
-            self.policy.touch_many(slots)
+            self.policy.touch_many_distinct(at)
             return
         hits = self.hits
         for slot in slots:

@@ -84,7 +84,8 @@ class Movement:
         if not moving:
             return []
         host.bind_all(host_slots, ids[: len(host_slots)])
-        dev.set_states(moving, S.OFFLOADING, busy_delta=1)
+        # Distinct slots from here on: the host tier just keyed each one's page.
+        dev.set_states(moving, S.OFFLOADING, busy_delta=1, distinct=True)
         if evicting:
             for slot in moving:
                 self._evicting[slot] = 1
@@ -98,8 +99,8 @@ class Movement:
                 dev_good, host_good = [moving[i] for i in good], [host_slots[i] for i in good]
             else:
                 dev_good, host_good = moving, host_slots
-            dev.set_states(dev_good, S.RESIDENT, busy_delta=-1)
-            host.set_states(host_good, S.DIRTY if self._link is not None else S.RESIDENT, busy_delta=-1)
+            dev.set_states(dev_good, S.RESIDENT, busy_delta=-1, distinct=True)
+            host.set_states(host_good, S.DIRTY if self._link is not None else S.RESIDENT, busy_delta=-1, distinct=True)
             if bad:
                 self._refuse_unencodable([moving[i] for i in bad], [host_slots[i] for i in bad])
             self.counters.moved("device_to_host", len(dev_good), len(dev_good) * self.fmt.page_bytes)
@@ -158,15 +159,15 @@ class Movement:
             private = [s for s, b in zip(dev_slots, keyed) if not b]
             dev.bind_all(landing, [k for k, b in zip(ids, keyed) if b])
             dev.hold_all(private)
-        dev.set_states(landing, S.LOADING, busy_delta=1)
+        dev.set_states(landing, S.LOADING, busy_delta=1, distinct=True)  # keyed just above
         ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
         for slot in landing:
             self._dev_landing[slot] = ticket
 
         def finish() -> None:
-            dev.set_states(landing, S.RESIDENT, busy_delta=-1)
+            dev.set_states(landing, S.RESIDENT, busy_delta=-1, distinct=True)
             dev.unhold_all(private)
-            host.unhold_all(host_slots)
+            host.unhold_all(host_slots, distinct=True)  # the slots of distinct keys
             for slot in landing:
                 if self._dev_landing.get(slot) is ticket:
                     del self._dev_landing[slot]
@@ -174,6 +175,22 @@ class Movement:
 
         self._submit(ticket, finish)
         return ticket
+
+    def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
+        """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
+        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed]."""
+        dev, host, landing = self._dev, self._host, self._dev_landing
+
+        def finish() -> None:
+            flags[1] = True
+            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1, distinct=True)
+            host.unhold_all(srcs, distinct=True)
+            for slot in targets:
+                if landing.get(slot) is ticket:
+                    del landing[slot]
+            self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
+
+        return finish
 
     def _device_copy(self, src: list[int], dst: list[int]) -> Ticket:
         dev = self._dev

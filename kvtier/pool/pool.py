@@ -48,7 +48,7 @@ from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
 from kvtier.index.key_table import MANY
 from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
-from kvtier.index.prefix import leading_slots, walk
+from kvtier.index.prefix import leading_slots, walk, walk_slots
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
@@ -345,13 +345,9 @@ class TieredPool(Movement, TierRoom):
             fresh_ids, fresh_slots, _, _ = dev.partition(ids, slots)
             absent_ids, absent_slots, held, at = host.partition(fresh_ids, fresh_slots)
             # A page the host tier holds is clean, unless it is still being fetched there.
-            clean = [slot for slot, h in zip(held, at) if _READABLE[host.state[h]]]
-            kept = set(clean)
-            dirty = [slot for slot in fresh_slots if slot not in kept] if kept else fresh_slots
+            clean = {slot for slot, h in zip(held, at) if _READABLE[host.state[h]]}
             self.counters.duplicate_commits += len(ids) - len(fresh_ids)
-            dev.bind_all(fresh_slots, fresh_ids)
-            dev.set_states(clean, S.RESIDENT)
-            dev.set_states(dirty, S.DIRTY)
+            dev.key_filled(fresh_slots, fresh_ids, clean)
             if absent_slots and self.write_policy.copy_on_commit():
                 # background_copies: the offload thread starts the copy down, so that commit
                 # costs the engine only the bookkeeping of its own pages.
@@ -366,16 +362,28 @@ class TieredPool(Movement, TierRoom):
     def match(self, keys: Iterable[Key]) -> MatchResult:
         """The loadable prefix of `keys`, split by nearest tier (see MatchResult); counts hits.
 
-        Never waits for the pool's lock: the key tables are read without it (and the remote
-        tier's index is asked without it). The use of the matched pages (eviction order, hit
-        counts, the write policy's copies of popular pages) and the counters are applied at
-        once when the lock is free, else by the next call that takes it, so a match never
-        queues behind another thread's call. Like any match, the answer is advice: a page can
-        leave before the `load` that follows.
+        Never waits for the pool's lock: when it is free (and there is no remote tier to ask,
+        which is never asked under the lock) the match walks the key tables under it and
+        applies the use of the pages it found (eviction order, hit counts, the write policy's
+        copies of popular pages) and the counters at once; else it reads the tables without
+        the lock and the use is applied when the lock is free, or by the next call that takes
+        it, so a match never queues behind another thread's call. Like any match, the answer
+        is advice: a page can leave before the `load` that follows.
         """
         start = time.perf_counter()
         ids = key_ids(keys)
         self._check_open()
+        if self.remote is None and self._lock.acquire(blocking=False):
+            # The lock is free: walk under it, and touch the slots the walk found.
+            try:
+                if not self._closed:
+                    self._reap()
+                    on_device, on_host, touched_dev, touched_host = walk_slots(self._dev.table, self._host.table, ids)
+                    self._touch_slots(touched_dev, touched_host)
+                    self._count_match((ids, on_device, on_host, 0, on_device + on_host, 0, start), None)
+                    return MatchResult(device=on_device, host=on_host, remote=0, total=on_device + on_host)
+            finally:
+                self._lock.release()
         on_device, on_host, remote, total = walk(self._dev.table, self._host.table, ids, 0)
         failed = 0
         if self.remote is not None and total < len(ids):
@@ -405,8 +413,11 @@ class TieredPool(Movement, TierRoom):
     def _apply_match(self, seen: tuple, ended: float | None) -> None:
         """Touch a match's pages and count it (under the lock). ended: when a deferred match
         returned (None: now)."""
+        self._touch_prefix(seen[0])
+        self._count_match(seen, ended)
+
+    def _count_match(self, seen: tuple, ended: float | None) -> None:
         ids, on_device, on_host, remote, total, failed, start = seen
-        self._touch_prefix(ids)
         c = self.counters
         c.hits["device"] += on_device
         c.hits["host"] += on_host
@@ -426,9 +437,11 @@ class TieredPool(Movement, TierRoom):
 
     def _touch_prefix(self, ids: list[bytes]) -> None:
         """Count a use of the leading device keys and the leading host keys (LRU, write policy)."""
+        self._touch_slots(leading_slots(self._dev.table, ids), leading_slots(self._host.table, ids))
+
+    def _touch_slots(self, touched_dev: list[int], touched_host: list[int]) -> None:
+        """Count a use of these device and host slots (LRU, write policy)."""
         dev, host = self._dev, self._host
-        touched_dev = leading_slots(dev.table, ids)
-        touched_host = leading_slots(host.table, ids)
         dev.touch_all(touched_dev)
         host.touch_all(touched_host)
         self._copy_popular(touched_dev)
@@ -506,8 +519,7 @@ class TieredPool(Movement, TierRoom):
         moves every layer, so attention over layer i overlaps the copies of the layers after it.
         """
         dev, host, engine = self._dev, self._host, self.engine
-        dget_many, hget_many, hstate = dev.table.get_many, host.table.get_many, host.state
-        readable = _READABLE
+        dget_many = dev.table.get_many
         landing = self._dev_landing
         out = [-1] * len(ids)
         pinned: list[int] = []  # device pages held where they are
@@ -539,16 +551,15 @@ class TieredPool(Movement, TierRoom):
                         src_ids.append(ids[i])
                         src_pos.append(i)
             if src_ids:
-                srcs = hget_many(src_ids)
-                if min(srcs) < 0 or not all(map(readable.__getitem__, map(hstate.__getitem__, srcs))):
+                # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
+                srcs = host.hold_readable(src_ids)
+                if srcs is None:
                     self._cancel_load_now(pinned, started, pending)
                     return None
             pos = end
             n = len(srcs)
             if not n:
                 continue
-            # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
-            host.hold_all(srcs, touch=True)
             if n > len(dev.free):
                 if n <= dev.capacity - dev.held:
                     self._make_device_room(n - len(dev.free))
@@ -589,22 +600,6 @@ class TieredPool(Movement, TierRoom):
                 landing.update(dict.fromkeys(targets, joined))
                 self._submit(joined, self._landed(srcs, targets, joined, flags))
         return LoadHandle(tickets, num_layers, out)
-
-    def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
-        """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
-        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed]."""
-        dev, host, landing = self._dev, self._host, self._dev_landing
-
-        def finish() -> None:
-            flags[1] = True
-            dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1)
-            host.unhold_all(srcs)
-            for slot in targets:
-                if landing.get(slot) is ticket:
-                    del landing[slot]
-            self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
-
-        return finish
 
     def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
         """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
@@ -705,8 +700,8 @@ class TieredPool(Movement, TierRoom):
                     waits.append(ticket.synchronize if ticket is not None else self._progress_waiter("host"))
                 continue
             fetch.append(i)
-        dev.hold_all(on_dev)
-        host.hold_all(on_host, touch=True)
+        dev.hold_all(on_dev, distinct=True)  # the slots of distinct keys
+        host.hold_all(on_host, touch=True, distinct=True)
         if fetch and self._link is None:
             return waits, fetch
         if fetch:
@@ -867,7 +862,7 @@ class TieredPool(Movement, TierRoom):
             self._wait_idle(deadline)
             with self._lock:
                 self._reap()
-                on_device, on_host = self._not_durable_ids() if owed else (set(), set())
+                on_device, on_host = self._not_durable_ids() if owed and self._any_not_durable() else (set(), set())
                 owed &= on_device | on_host
                 left = len(owed)
                 # Progress is a page a tier nearer durable: one copied down from the device counts.
@@ -897,6 +892,14 @@ class TieredPool(Movement, TierRoom):
                     out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
             found.append(out)
         return found[0], found[1]
+
+    def _any_not_durable(self) -> bool:
+        """Whether a page may not be durable yet (any DIRTY or OFFLOADING page where
+        `_not_durable_ids` looks): O(1), so that a flush that made everything durable does not
+        collect ids to find nothing."""
+        dev, host = self._dev.counts, self._host.counts
+        return bool(dev[S.DIRTY] or dev[S.OFFLOADING]
+                    or self._link is not None and (host[S.DIRTY] or host[S.OFFLOADING]))
 
     def _wait_idle(self, deadline: float | None) -> None:
         """Wait outside the lock until no engine copy is in flight and the backup queue has
