@@ -89,3 +89,54 @@ def test_a_write_held_inside_the_store_does_not_hold_the_engine(tmp_path, gen, p
         pool.remote.faults.mid_request = None
     with make_pool(tmp_path, write_policy=policy) as again:
         assert read_back(again, early[:8]) == {k: truth[k] for k in early[:8]}
+
+
+def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_path, gen):
+    """The held write carries every page of the host tier (the breaker's probe after a failed
+    write takes the whole queue), so no dirty device page can be copied down while it is held:
+    once the store's timeout has passed, those pages are dropped and counted instead of waited
+    for, and pages written before stay readable bit for bit."""
+    pool = make_pool(tmp_path, write_policy="write_through", remote_backoff_s=1.0, remote_backoff_max_s=2.0)
+    pool.remote.set_timeout(0.5)
+    early = prefix_keys(np.arange(0, 8 * 8), 8, pool.namespace)  # 8 pages, durable before the fault
+    truth: dict = {}
+    for i in range(0, 8, 4):
+        truth.update(write(pool, early[i : i + 4], gen))
+    assert pool.flush() == 0
+    pool.remote.faults.arm("error", count=1, op="WRITE")
+    held, release = threading.Event(), threading.Event()
+    try:
+        # Fill the host tier with 16 pages not yet durable while the breaker waits out its back-off.
+        first = prefix_keys(np.arange(5000, 5032), 8, pool.namespace)
+        write(pool, first, gen)
+        deadline = time.monotonic() + 10
+        while pool.stats()["remote_breaker"] == "closed" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pool.stats()["remote_breaker"] == "open", "the failed write did not open the breaker"
+
+        def hold(op: str) -> None:
+            if op == "WRITE":
+                held.set()
+                release.wait(60)
+
+        pool.remote.faults.mid_request = hold
+        for batch in range(1, 4):
+            write(pool, prefix_keys(np.arange(5000 + 32 * batch, 5032 + 32 * batch), 8, pool.namespace), gen)
+        assert held.wait(10), "the probe never reached the store"
+        assert pool.stats()["states"]["host"]["offloading"] == 16, pool.stats()["states"]
+        longest = 0.0
+        for batch in range(10, 30):
+            keys = prefix_keys(np.arange(5000 + 32 * batch, 5032 + 32 * batch), 8, pool.namespace)
+            start = time.monotonic()
+            write(pool, keys, gen)
+            longest = max(longest, time.monotonic() - start)
+        assert longest < 10, f"an engine call waited {longest:.1f} s behind a held write"
+        assert pool.stats()["dropped"].get("remote_unavailable", 0) > 0
+        start = time.monotonic()
+        pool.close(timeout_s=1.0)
+        assert time.monotonic() - start < 10
+    finally:
+        release.set()
+        pool.remote.faults.mid_request = None
+    with make_pool(tmp_path, write_policy="write_through") as again:
+        assert read_back(again, early) == {k: truth[k] for k in early}

@@ -255,6 +255,8 @@ class Movement:
         good = [s for s, o in zip(slots, ok) if o]
         bad = [s for s, o in zip(slots, ok) if not o]
         self._backups_in_flight -= 1
+        # One writer thread: the backup that returns is the stalled one, if one was.
+        self._backups_stalled = min(self._backups_stalled, self._backups_in_flight)
         host.set_states(good, S.RESIDENT, busy_delta=-1)
         host.set_states(bad, S.DIRTY, busy_delta=-1)
         for slot in bad:

@@ -240,6 +240,7 @@ class TieredPool(Movement, TierRoom):
         self._owns_remote = False
         self._backup_queue = SlotList(host_pages)  # DIRTY host slots to write to the remote tier
         self._backups_in_flight = 0
+        self._backups_stalled = 0  # of those, held inside the store past its timeout (room.py)
         self._breaker = CircuitBreaker(remote_backoff_s, remote_backoff_max_s)
         self._drop_logged = False
         self._bad_page_logged = False

@@ -47,6 +47,8 @@ class TierRoom:
                         return got
                     wait = self._progress_waiter("device")
                     if wait is None:
+                        if self._drop_undurable_device(n - len(got)):
+                            continue  # room now: take it at once
                         raise PoolExhausted(self._exhausted("device", n - len(got)))
                 wait()
         except BaseException:
@@ -61,8 +63,11 @@ class TierRoom:
         """Something to wait for (outside the lock) that may free slots of `tier`, or None."""
         if self._inflight:
             return self._inflight[0][0].synchronize
-        if self._link is not None and (self._backups_in_flight or self._fetching or (
-                len(self._backup_queue) and self._breaker.wait_s() < float("inf"))):
+        # A backup held inside the store past its timeout (`_backup_stalled`) is no progress: it
+        # may never return, and the writer thread waits in it, so the queue cannot move either.
+        stalled = self._backups_stalled
+        if self._link is not None and (self._backups_in_flight > stalled or self._fetching or (
+                not stalled and len(self._backup_queue) and self._breaker.wait_s() < float("inf"))):
             # Remote jobs notify `_changed` when they land; a queue waiting out the breaker wakes
             # when it may retry. Woken only by a change after this point (never a lost wake-up),
             # so a caller's retries follow real events, not a timer.
@@ -194,14 +199,7 @@ class TierRoom:
                     unavailable += 1
             free.append(slot)
         if unavailable:
-            self._count_drop("remote_unavailable", unavailable)
-            if not self._drop_logged:
-                self._drop_logged = True
-                log.warning(
-                    "remote tier unavailable (%s): dropping host pages that could not be made durable to make room; "
-                    "they are counted in kvtier_dropped_pages_total{reason=\"remote_unavailable\"}",
-                    self._breaker.last_error,
-                )
+            self._drop_unavailable("host", unavailable)
         durable_below = self._link is not None
         for slot in free:
             # A page the host tier lets go that no tier below holds (no remote tier, or not
@@ -221,10 +219,43 @@ class TierRoom:
         self.counters.evictions["host"] += len(free)
         return len(free) + queued
 
+    def _drop_undurable_device(self, need: int) -> int:
+        """Device room as a last resort, while the remote tier is unavailable and nothing in
+        flight can free host room (a backup held inside the store holds every host page it
+        could use): up to `need` dirty device pages whose copy down cannot start are dropped,
+        oldest first, counted and logged once per outage, as the host tier drops its own.
+        Returns how many were dropped."""
+        if self._link is None or self._breaker.healthy:
+            return 0
+        dev = self._dev
+        drop = []
+        for slot in dev.victims(need + _OVERSCAN):
+            if dev.state[slot] == S.DIRTY and not dev.busy[slot] and not dev.pins[slot]:
+                drop.append(slot)
+                if len(drop) == need:
+                    break
+        if drop:
+            dev.set_states(drop, S.FREE)
+            self.counters.evictions["device"] += len(drop)
+            self._drop_unavailable("device", len(drop))
+        return len(drop)
+
+    def _drop_unavailable(self, tier: str, n: int) -> None:
+        self._count_drop("remote_unavailable", n)
+        if not self._drop_logged:
+            self._drop_logged = True
+            log.warning(
+                "remote tier unavailable (%s): dropping %s pages that could not be made durable to make room; "
+                "they are counted in kvtier_dropped_pages_total{reason=\"remote_unavailable\"}",
+                self._breaker.last_error, tier,
+            )
+
     def _backup_stalled(self, reason: str) -> None:
         """A backup is still inside the store past its timeout (the link says so, under the
         lock): the breaker opens, so tiers that need room drop what cannot be made durable
-        instead of waiting for it. Its pages stay busy until it returns."""
+        instead of waiting for it, and callers stop counting it as progress
+        (`_backups_stalled`, until it returns). Its pages stay busy until it returns."""
+        self._backups_stalled = min(self._backups_stalled + 1, self._backups_in_flight)
         was_healthy = self._breaker.healthy
         self._breaker.record(False, reason)
         if was_healthy:
