@@ -12,14 +12,12 @@ import pytest
 
 from kvtier.index.keys import key_ids
 from kvtier.tiers.remote import StoreVersionMismatch
-from kvtier.tiers.remote.index import (
-    MAX_READERS,
-    ROWS_PER_TRANSACTION,
-    PublishEntry,
-    RemoteIndex,
-    SlotRef,
-    make_owner,
-)
+from kvtier.tiers.remote.index import RemoteIndex
+from kvtier.tiers.remote.index_publish import PublishEntry
+from kvtier.tiers.remote.index_reads import MAX_READERS
+from kvtier.tiers.remote.index_slots import SlotRef
+from kvtier.tiers.remote.index_transactions import ROWS_PER_TRANSACTION
+from kvtier.tiers.remote.owners import make_owner
 from kvtier.tiers.remote.records import namespace_fingerprint
 
 PAGE = 4096

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from kvtier import TieredPool, prefix_keys
 from kvtier.index.keys import key_ids
-from kvtier.tiers.remote.index import RemoteIndex, make_owner
+from kvtier.tiers.remote.index import RemoteIndex
+from kvtier.tiers.remote.owners import make_owner
 from tests.conftest import fill_random, small_format
 from tests.test_remote_index import NS_A, NS_B, PAGE, fill, filled_elsewhere, reserve, run_in_child
 

@@ -30,7 +30,6 @@ for before a call returns, errors included.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os

@@ -65,7 +65,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from kvtier.tiers.remote.buffers import PageBuffers
-from kvtier.tiers.remote.index import SlotRef
+from kvtier.tiers.remote.index_slots import SlotRef
 from kvtier.tiers.remote.nixl import NixlEngine
 from kvtier.tiers.remote.paths import (
     Modes,

@@ -153,15 +153,12 @@ from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
 from kvtier.tiers.remote.datapath import REQUEST_ERRORS, DataPath
 from kvtier.tiers.remote.faults import FaultInjector
 from kvtier.tiers.remote.presence import RECHECK_S as PRESENCE_RECHECK_S
-from kvtier.tiers.remote.index import (
-    PageLocation,
-    PublishEntry,
-    RemoteIndex,
-    Reservation,
-    SlotRef,
-    make_owner,
-)
-from kvtier.tiers.remote.errors import StoreUnsafe, TransferFailed
+from kvtier.tiers.remote.index import RemoteIndex
+from kvtier.tiers.remote.index_publish import PublishEntry
+from kvtier.tiers.remote.index_reads import PageLocation
+from kvtier.tiers.remote.index_slots import Reservation, SlotRef
+from kvtier.tiers.remote.owners import make_owner
+from kvtier.tiers.remote.errors import StoreUnsafe
 from kvtier.tiers.remote.nixl import BACKENDS, NixlEngine, load_nixl_api
 from kvtier.tiers.remote.paths import (
     Modes,

@@ -40,7 +40,9 @@ from typing import Callable, Optional, Sequence
 
 from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.errors import StoreBusy, StoreCorrupt, StoreUnsafe, StoreVersionMismatch
-from kvtier.tiers.remote.index import SCHEMA_VERSION, RemoteIndex, make_owner, stored_labels
+from kvtier.tiers.remote.index import RemoteIndex
+from kvtier.tiers.remote.index_schema import SCHEMA_VERSION, stored_labels
+from kvtier.tiers.remote.owners import make_owner
 from kvtier.tiers.remote.paths import (
     INDEX_FILENAME,
     INDEX_SIDE_FILES,
