@@ -188,11 +188,11 @@ def test_host_hits_loaded_with_split_layers_match_all_resident(model, monkeypatc
     """Host hits of several chunks (one page a chunk here): each chunk's first layer, then the
     other layers of all of them, each waited for just before its layer's attention; the logits
     are those of the all-resident run, bit for bit."""
-    from kvtier.pool import pool as pool_module
+    from kvtier.pool import loading
 
     requests = workload()
     resident, _ = run(model, requests, scale="per_token_head")
-    monkeypatch.setattr(pool_module, "_FIRST_CHUNK", 1)
+    monkeypatch.setattr(loading, "_FIRST_CHUNK", 1)
     offloaded, stats = run(model, requests, scale="per_token_head", device_pages=10, host_pages=64,
                            layer_ordered_loads=True)
     assert stats["hits"]["host"] > 0 and stats["bytes_moved"]["host_to_device"] > 0

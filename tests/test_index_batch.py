@@ -20,7 +20,7 @@ import kvtier.index.keys as keys_mod
 import kvtier.index.prefix as prefix_mod
 import kvtier.index.slot_list as slot_list
 import kvtier.index.tier_index as tier_index
-import kvtier.pool.pool as pool_mod
+import kvtier.pool.loading as loading_mod
 from kvtier import TieredPool, key_id, prefix_keys
 from kvtier.index.key_table import DictKeyTable, KeyTable
 from kvtier.index.slot_list import SlotList
@@ -38,7 +38,7 @@ def _numpy_everywhere(monkeypatch) -> None:
     monkeypatch.setattr(slot_list, "BULK", 1)
     monkeypatch.setattr(tier_index, "BULK", 1)
     monkeypatch.setattr(tier_index, "MANY", 1)
-    monkeypatch.setattr(pool_mod, "MANY", 1)
+    monkeypatch.setattr(loading_mod, "MANY", 1)
     monkeypatch.setattr(prefix_mod, "MANY", 1)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier import TieredPool, prefix_keys
-from kvtier.pool import pool as pool_module
+from kvtier.pool import loading
 from kvtier.transfer import TorchEngine
 from kvtier.transfer.engine import layer_runs
 from tests.conftest import fill_random, poison, small_format, snapshot
@@ -77,7 +77,7 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     pool.evict(keys=keys[10:])  # 10 stay on the device, 160 come from the host
     pool.engine.reloads.clear()
     handle = pool.load(keys)
-    first, growth = pool_module._FIRST_CHUNK, pool_module._CHUNK_GROWTH
+    first, growth = loading._FIRST_CHUNK, loading._CHUNK_GROWTH
     # Chunks cut the keys (device pages included) at 32, then 128 more, and the last 10 ride
     # with those (a tail shorter than half the next chunk): the device pages are in the first
     # chunk, so it reloads 22 pages, the second 138.
@@ -105,8 +105,8 @@ def test_layer_ordered_loads_must_be_a_bool(registry):
 def test_chunks_stop_growing_at_the_chunk_bytes(registry, gen, monkeypatch):
     """Past _CHUNK_BYTES a chunk grows no more, so the last chunk is never most of the load."""
     pool = _pool(registry, CountingEngine)
-    monkeypatch.setattr(pool_module, "_CHUNK_BYTES", 50 * pool.fmt.page_bytes)
-    monkeypatch.setattr(pool_module, "MANY", 40)  # the floor of the cap: a chunk never gets fewer
+    monkeypatch.setattr(loading, "_CHUNK_BYTES", 50 * pool.fmt.page_bytes)
+    monkeypatch.setattr(loading, "MANY", 40)  # the floor of the cap: a chunk never gets fewer
     keys = prefix_keys(np.arange(170), 1, pool.namespace)
     expected = _write(pool, keys, gen)
     pool.evict(tier="device")

@@ -22,9 +22,11 @@ room and finds only pages that could not be made durable drops the oldest of the
 (`dropped{reason="remote_unavailable"}`) and logs the cause once per outage. A dirty page is
 never dropped while the remote tier is healthy. Remote pages stay loadable throughout.
 
-The class is split in three files along that line: this one is the pool's face (what each
-call decides, under the lock); movement.py starts the copies it schedules and applies them
-when they land; room.py takes slots and evicts to make them. TieredPool inherits both.
+The class is split along that line: this one is the pool's face (what each call decides,
+under the lock); loading.py carries out a load it decided on (chunks, sources, plans);
+draining.py is what flush and close wait for; movement.py starts the copies it schedules and
+applies them when they land; room.py takes slots and evicts to make them; opening.py opens the
+engine and the remote tier. TieredPool inherits the four classes.
 
 It must never touch page bytes itself, nor hold its lock while it waits.
 """
@@ -38,28 +40,29 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import torch
 from prometheus_client import REGISTRY
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
-from kvtier.index.key_table import MANY
 from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
 from kvtier.index.prefix import leading_slots, walk, walk_slots
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
 from kvtier.pool.breaker import CircuitBreaker
-from kvtier.pool.checks import check_copy_path, check_copy_path_runs, check_count, check_host_size, check_positive, check_slots, check_unique
-from kvtier.pool.handles import LoadHandle, MatchResult, PoolExhausted
+from kvtier.pool.checks import check_copy_path, check_count, check_host_size, check_positive, check_slots, check_unique
+from kvtier.pool.draining import Draining
+from kvtier.pool.handles import LoadHandle, MatchResult
+from kvtier.pool.loading import Loading
 from kvtier.pool.movement import _READABLE, Movement
+from kvtier.pool.opening import make_engine, open_remote
 from kvtier.pool.remote_link import RemoteLink
 from kvtier.pool.room import TierRoom
 from kvtier.pool.signal import ChangeSignal
 from kvtier.tiers import DeviceTier, HostTier
-from kvtier.transfer import JoinedTicket, ReloadTransform, Ticket, TorchEngine
+from kvtier.transfer import ReloadTransform, Ticket
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -71,69 +74,8 @@ S = PageState
 Key = str | bytes
 log = logging.getLogger(__name__)
 
-# A load that keeps waiting (every wait a real event: a fetch, a copy, a change) while other
-# threads take the room or pages it needs gives up after this long, with PoolExhausted.
-_LOAD_PATIENCE_S = 30.0
-# A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
-# the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
-_FIRST_CHUNK = 32
-_CHUNK_GROWTH = 4
-# ... up to this many bytes a chunk (or MANY pages): a chunk's copy then outlasts the
-# next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
-# load's copies run back to back instead of waiting for one last chunk of most of the batch.
-_CHUNK_BYTES = 64 << 20
 
-
-def _make_engine(kind, device_tier: DeviceTier, host_tier: HostTier, transform, copy_path: str):
-    if callable(kind):
-        return kind(device_tier, host_tier)
-    check_copy_path_runs(copy_path, kind, device_tier.device)
-    if kind == "auto":
-        kind = "cuda" if device_tier.device.type == "cuda" else "torch"
-    if kind == "torch":
-        return TorchEngine(device_tier, host_tier, transform=transform)
-    if kind == "cuda":
-        from kvtier.transfer.cuda_engine import CudaEngine
-
-        return CudaEngine(device_tier, host_tier, transform=transform, path=copy_path)
-    raise ValueError(f"engine must be 'auto', 'torch', 'cuda' or a callable, got {kind!r}")
-
-
-def _open_remote(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, create: bool, cluster):
-    """(store, owned): the local store, the cluster tier (kvtier.tiers.cluster) behind it when
-    `cluster` is given, or the cluster alone without `remote`."""
-    store, owned = (None, False) if remote is None else _open_local(remote, fmt, namespace, capacity_bytes, create)
-    if cluster is None:
-        return store, owned
-    from kvtier.tiers.cluster import open_cluster
-
-    return open_cluster(cluster, store, owned, namespace=namespace.digest, page_bytes=fmt.page_bytes), True
-
-
-def _open_local(remote, fmt: PageFormat, namespace: Namespace, capacity_bytes, create: bool):
-    """(store, owned): open a directory or file:// URL, or check a caller's RemoteStore."""
-    if isinstance(remote, (str, os.PathLike)):
-        from kvtier.tiers.remote import RemoteStore
-        from kvtier.tiers.remote.labels import format_fields
-
-        store = RemoteStore(os.fspath(remote), namespace=namespace.digest, page_bytes=fmt.page_bytes,
-                            capacity_bytes=capacity_bytes, create=create,
-                            namespace_label={"model": namespace.model, "rank": namespace.rank,
-                                             "format": format_fields(fmt)})
-        return store, True
-    if not all(hasattr(remote, name) for name in ("put_ids", "get_ids", "contains_ids", "page_bytes", "namespace")):
-        raise TypeError(
-            f"remote must be a directory path, a file:// URL or a kvtier RemoteStore, got {type(remote).__name__} {remote!r}"
-        )
-    if remote.page_bytes != fmt.page_bytes or remote.namespace != namespace.digest:
-        raise ValueError(
-            f"remote store holds {remote.page_bytes}-byte pages of namespace {remote.namespace[:12]}…; "
-            f"this pool needs {fmt.page_bytes}-byte pages of namespace {namespace.digest[:12]}…"
-        )
-    return remote, False
-
-
-class TieredPool(Movement, TierRoom):
+class TieredPool(Loading, Draining, Movement, TierRoom):
     """Pages of one model, one page format and one rank, across device, host (and remote) tiers.
 
     engine: "auto" (CUDA engine on a CUDA device, torch twin elsewhere), "torch", "cuda",
@@ -216,7 +158,7 @@ class TieredPool(Movement, TierRoom):
         self.device_tier = DeviceTier(fmt, device_pages, device, kv=device_kv, scales=device_scales)
         device_pages = self.device_tier.num_pages
         self.host_tier = HostTier(fmt, host_pages, size=None if host_bytes is None else ("host_bytes", host_bytes))
-        self.engine = _make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
+        self.engine = make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
         self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages), compact_keys=False)
         self._host = TierIndex("host", host_pages, make_policy(eviction, host_pages))
         self.close_timeout_s = close_timeout_s
@@ -251,7 +193,7 @@ class TieredPool(Movement, TierRoom):
         self.name = register_pool(registry, self, name)
         if remote is not None or cluster is not None:
             try:
-                self.remote, self._owns_remote = _open_remote(
+                self.remote, self._owns_remote = open_remote(
                     remote, fmt, self.namespace, remote_capacity_bytes, remote_create, cluster
                 )
                 # One registration of the whole host tier: batches then skip per-call registration.
@@ -500,261 +442,6 @@ class TieredPool(Movement, TierRoom):
 
     prefetch = load
 
-    def _load_now(self, ids: list[bytes]) -> LoadHandle | None:
-        """The common load in one hold of the lock, or None (the device as it was, but for
-        evictions) for the general path: every key on the device or readable in the host tier,
-        and device room for the host pages without waiting (free slots, or clean pages to evict).
-        Device pages are held where they are; host pages land in new slots keyed at once
-        (FREE -> LOADING).
-
-        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up to
-        _CHUNK_BYTES; after the first, a tail under half the next chunk joins the one before it), each
-        chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes start moving
-        after one small chunk of Python. A chunk that finds a key it cannot load now cancels the chunks
-        before it: their pages lose their keys at once and their slots are freed when their copies land.
-
-        With layer_ordered_loads, an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
-        more than one chunk's keys, each chunk copies only its first layer as it is booked, and the
-        other layers of every chunk follow in one call after the last chunk, in layer order: the
-        whole load's first layer lands after 1/L of its bytes, not near the end as when each chunk
-        moves every layer, so attention over layer i overlaps the copies of the layers after it.
-        """
-        dev, host, engine = self._dev, self._host, self.engine
-        dget_many = dev.table.get_many
-        landing = self._dev_landing
-        out = [-1] * len(ids)
-        pinned: list[int] = []  # device pages held where they are
-        started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
-        ready = None
-        num_layers = self.fmt.num_layers
-        # Split only loads of several chunks: one chunk's copy (one launch on CUDA) already lands layer by layer.
-        split = (self._layer_ordered_loads and getattr(engine, "reloads_layers", False)
-                 and num_layers > 1 and len(ids) > _FIRST_CHUNK)
-        pending: list[tuple[list[int], list[int], Ticket, list[bool]]] = []  # split: (srcs, targets, first layer, flags)
-        pos, chunk = 0, _FIRST_CHUNK
-        largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
-        while pos < len(ids):
-            end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
-            end = len(ids) if pos and len(ids) - end < chunk // 2 else min(end, len(ids))
-            srcs = []
-            dslots = dget_many(ids[pos:end])
-            if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
-                src_ids, src_pos = ids[pos:end], range(pos, end)
-            else:
-                src_ids, src_pos = [], []
-                for i, slot in enumerate(dslots, pos):
-                    if slot >= 0:
-                        dev.pin(slot)
-                        dev.touch(slot)
-                        pinned.append(slot)
-                        out[i] = slot
-                    else:
-                        src_ids.append(ids[i])
-                        src_pos.append(i)
-            if src_ids:
-                # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
-                srcs = host.hold_readable(src_ids)
-                if srcs is None:
-                    self._cancel_load_now(pinned, started, pending)
-                    return None
-            pos = end
-            n = len(srcs)
-            if not n:
-                continue
-            if n > len(dev.free):
-                if n <= dev.capacity - dev.held:
-                    self._make_device_room(n - len(dev.free))
-                if n > len(dev.free):  # dirty pages are being copied down first (or it can never fit): general path
-                    self._release_host(srcs)
-                    self._cancel_load_now(pinned, started, pending)
-                    return None
-            targets = dev.take_bound(src_ids)
-            if ready is None:
-                ready = engine.record_ready()
-            if type(src_pos) is range:
-                out[src_pos.start : src_pos.stop] = targets
-            else:
-                for i, slot in zip(src_pos, targets):
-                    out[i] = slot
-            flags = [False, False]  # cancelled, landed
-            if split:
-                ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
-                started.append((targets, ticket, flags))
-                pending.append((srcs, targets, ticket, flags))
-                continue
-            ticket = engine.reload(srcs, targets, ready=ready)
-            landing.update(dict.fromkeys(targets, ticket))
-            started.append((targets, ticket, flags))
-            self._submit(ticket, self._landed(srcs, targets, ticket, flags))
-        tickets = list({landing[s] for s in pinned if s in landing}) if landing else []
-        tickets += [ticket for _, ticket, _ in started]
-        if pending:
-            # Every chunk's first layer is queued: now the other layers of all of them, in layer order.
-            rest = engine.reload_layers(
-                np.concatenate([np.asarray(srcs, dtype=np.int64) for srcs, _, _, _ in pending]),
-                np.concatenate([np.asarray(targets, dtype=np.int64) for _, targets, _, _ in pending]),
-                range(1, num_layers), ready=ready,
-            )
-            tickets.append(rest)
-            for srcs, targets, first, flags in pending:
-                joined = JoinedTicket([first, rest], num_layers)
-                landing.update(dict.fromkeys(targets, joined))
-                self._submit(joined, self._landed(srcs, targets, joined, flags))
-        return LoadHandle(tickets, num_layers, out)
-
-    def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
-        """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
-        copying unkeyed and unheld (freed when they land). pending: chunks that copy their first
-        layer only (split loads), whose landing is watched from here on."""
-        dev, landing = self._dev, self._dev_landing
-        for srcs, targets, first, flags in pending:
-            self._submit(first, self._landed(srcs, targets, first, flags))
-        for slot in pinned:
-            dev.unpin(slot)
-        for targets, ticket, flags in started:
-            flags[0] = True
-            dev.unpin_all(targets)
-            if flags[1]:  # landed already (a synchronous engine): those pages go now
-                dev.set_states(targets, S.FREE)
-                continue
-            for slot in targets:  # still landing: unkeyed now, freed when the copy lands
-                dev.table.unbind(slot)
-                if landing.get(slot) is ticket:
-                    del landing[slot]
-
-    def _secure_sources(self, ids: list[bytes]) -> tuple[dict[int, int], dict[int, int]]:
-        """Hold a readable copy of every key, busy, so nothing evicts it: device pages where they
-        are, else a host slot (read from the remote tier first if needed, waiting outside the
-        lock). Returns ({key index: device slot}, {key index: host slot}); raises KeyError, with
-        nothing held, when a key is in no tier."""
-        dev_src: dict[int, int] = {}
-        host_src: dict[int, int] = {}
-        deadline, rounds = None, 0
-        try:
-            while True:
-                with self._lock:
-                    self._check_open()
-                    self._reap()
-                    waits, missing = self._plan_sources(ids, dev_src, host_src)
-                    if missing:
-                        raise KeyError(
-                            f"load: {len(missing)} of {len(ids)} keys are in no tier; "
-                            f"first missing: key {missing[0]} (id {ids[missing[0]].hex()})"
-                        )
-                    if not waits:
-                        return dev_src, host_src
-                for wait in waits:
-                    wait()
-                rounds += 1
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + _LOAD_PATIENCE_S
-                elif now > deadline:
-                    raise PoolExhausted(
-                        f"load: other threads kept taking the room or pages these {len(ids)} keys need "
-                        f"for {_LOAD_PATIENCE_S:g} s ({rounds} waits); raise host_pages or load fewer pages at once"
-                    )
-        except BaseException:
-            with self._lock:
-                self._dev.unhold_all(dev_src.values())
-                self._release_host(host_src.values())
-            raise
-
-    def _release_host(self, slots) -> None:
-        """Drop a load's holds on host slots; a slot whose fetch failed is freed once idle."""
-        host = self._host
-        host.unhold_all(slots)
-        host.set_states([s for s in slots if host.state[s] == S.LOADING and not host.busy[s]
-                         and not host.table.holds_key(s)], S.FREE)
-        self._changed.notify_all()  # room for a caller waiting on `_progress_waiter`
-
-    def _plan_sources(self, ids, dev_src: dict[int, int], host_src: dict[int, int]):
-        """One round of `_secure_sources` under the lock: (things to wait for, indexes in no tier)."""
-        dev, host = self._dev, self._host
-        waits, fetch, missing = [], [], []
-        for i, slot in list(host_src.items()):
-            if host.state[slot] != S.LOADING:
-                continue
-            if host.table.holds_key(slot):  # our fetch is still landing
-                waits.append(self._fetching[slot].synchronize)
-                continue
-            # Our fetch failed: the page is in no tier now.
-            del host_src[i]
-            self._release_host((slot,))
-            missing.append(i)
-        if missing:
-            return waits, missing
-        # Each tier's lookups at once (numpy over the host table from MANY ids).
-        todo = [i for i in range(len(ids)) if i not in host_src and i not in dev_src] if host_src or dev_src else range(len(ids))
-        found = dev.table.get_many(ids if type(todo) is range else [ids[i] for i in todo])
-        on_dev = [slot for slot in found if slot >= 0]
-        dev_src.update((i, slot) for i, slot in zip(todo, found) if slot >= 0)
-        off = [i for i, slot in zip(todo, found) if slot < 0] if on_dev else todo
-        on_host, hstate = [], host.state
-        for i, slot in zip(off, host.table.get_many(ids if type(off) is range else [ids[i] for i in off])):
-            if slot >= 0:
-                if _READABLE[hstate[slot]]:
-                    host_src[i] = slot
-                    on_host.append(slot)
-                else:  # landing for another call (a prefetch or a copy-down): wait, then look again
-                    ticket = self._fetching.get(slot)
-                    waits.append(ticket.synchronize if ticket is not None else self._progress_waiter("host"))
-                continue
-            fetch.append(i)
-        dev.hold_all(on_dev, distinct=True)  # the slots of distinct keys
-        host.hold_all(on_host, touch=True, distinct=True)
-        if fetch and self._link is None:
-            return waits, fetch
-        if fetch:
-            if len(fetch) > self._host.capacity:
-                raise PoolExhausted(self._exhausted("host", len(fetch)))
-            started = self._fetch([ids[i] for i in fetch], for_load=True)
-            for i, (slot, ticket) in zip(fetch, started):
-                host_src[i] = slot
-                waits.append(ticket.synchronize)
-            if len(started) < len(fetch):  # no host room now: wait for copies in flight, then ask again
-                wait = self._progress_waiter("host")
-                if wait is None:
-                    raise PoolExhausted(self._exhausted("host", len(fetch) - len(started)))
-                waits.append(wait)
-        return [w for w in waits if w is not None], missing
-
-    def _submit_load(self, ids, slots, dev_src: dict[int, int], host_src: dict[int, int], new: list[int]) -> LoadHandle:
-        """Under the lock, with every source held: queue the reloads and device copies."""
-        dev = self._dev
-        tickets: list[Ticket] = []
-        dev_idx = sorted(dev_src)
-        landing = list({self._dev_landing[dev_src[i]] for i in dev_idx if dev_src[i] in self._dev_landing})
-        reload_idx = sorted(host_src)
-        if slots is None:
-            out = [0] * len(ids)
-            for i in dev_idx:
-                slot = dev_src[i]
-                dev.pin(slot)
-                dev.touch(slot)
-                out[i] = slot
-            tickets.extend(landing)
-            targets = new
-        else:
-            out = list(slots)
-            if dev_idx:
-                for ticket in landing:  # the copy reads pages still landing: order after them
-                    ticket.wait()
-                tickets.append(self._device_copy([dev_src[i] for i in dev_idx], [slots[i] for i in dev_idx]))
-            targets = [slots[i] for i in reload_idx]
-        dev.unhold_all(dev_src.values())  # pinned above, or held by the device copy now
-        dev_src.clear()
-        if reload_idx:
-            # A key may have reached the device meanwhile (another thread loaded or committed
-            # it): its copy then lands in our slot as a private, unkeyed page.
-            keyed = [slot < 0 for slot in dev.table.get_many([ids[i] for i in reload_idx])]
-            sources = [host_src[i] for i in reload_idx]
-            host_src.clear()  # the reload takes over the load's holds on its sources
-            tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))
-            for i, slot in zip(reload_idx, targets):
-                out[i] = slot
-        return LoadHandle(tickets, self.fmt.num_layers, out)
-
     def prefetch_to_host(self, keys: Iterable[Key]) -> Ticket | None:
         """Start bringing the remote-only pages among `keys` into the host tier on the remote
         reader; returns its ticket at once (None when nothing needs fetching or there is no room
@@ -822,106 +509,6 @@ class TieredPool(Movement, TierRoom):
         with self._lock:
             self._check_open()
         return sum(self._flush(deadline=None))
-
-    def _flush(self, deadline: float | None) -> tuple[int, int]:
-        """Make durable the pages that are not when the flush starts (pages committed meanwhile
-        are copied too, but not waited for or counted: under steady commits a flush would
-        otherwise never see nothing left, and would report new pages as failures). Returns
-        (pages still not durable, pages dropped meanwhile, already counted by their reason)."""
-        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
-        dropped = self.counters.dropped
-        dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
-        last = None
-        owed = None  # key ids of the pages not durable when the flush started
-        probe_first = True
-        while True:
-            with self._lock:
-                self._reap()
-                if owed is None:
-                    owed = set().union(*self._not_durable_ids())
-                # Host pages first: their backups probe a remote tier the breaker holds off.
-                if self._link is not None:
-                    for s in self._host.idle(self._host.dirty_kept(keep)):
-                        self._backup_queue.append(s)
-                    if len(self._backup_queue):
-                        self._breaker.force_probe()
-                        self._backup_work.notify()
-                # Flush copies every dirty page itself (after the latest commit's event, which
-                # follows every queued batch's): the offload thread's queued batches go, or one
-                # would copy a page again after flush returned, once something made it dirty.
-                self._pending_down.clear()
-                dev = self._dev
-                dev_dirty = dev.idle(dev.dirty_kept(keep))
-                # A copy down needs host room, which an unhealthy remote tier makes by dropping
-                # dirty host pages: the first round lets the probe answer before copying down.
-                waiting_for_probe = (probe_first and dev_dirty and self._link is not None
-                                     and not self._breaker.healthy and len(self._backup_queue))
-                probe_first = False
-                if dev_dirty and not waiting_for_probe:
-                    self._copy_down(dev_dirty, evicting=False)
-            # Wait for everything this round started, then look again while that helps.
-            self._wait_idle(deadline)
-            with self._lock:
-                self._reap()
-                on_device, on_host = self._not_durable_ids() if owed and self._any_not_durable() else (set(), set())
-                owed &= on_device | on_host
-                left = len(owed)
-                # Progress is a page a tier nearer durable: one copied down from the device counts.
-                distance = left + len(owed & on_device)
-                stuck = last is not None and distance >= last and not waiting_for_probe
-            if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
-                break
-            last = distance
-        gone = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
-        if left + gone:
-            log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
-                        left + gone, dict(self.counters.remote_failures), self._breaker.last_error)
-        return left, gone
-
-    def _not_durable_ids(self) -> tuple[set[bytes], set[bytes]]:
-        """Key ids of the pages the write policy keeps that no last tier holds yet, dirty or
-        being copied down: (on the device, in the host tier). O(dirty pages); slots being
-        copied are found with one vectorized scan of the tier's states, only while copies are
-        in flight."""
-        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
-        found = []
-        for index in (self._dev, self._host):
-            out: set[bytes] = set()
-            if index is self._dev or self._link is not None:
-                out.update(index.ids_of(index.dirty_kept(keep, ordered=False)))
-                if index.counts[S.OFFLOADING]:
-                    out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
-            found.append(out)
-        return found[0], found[1]
-
-    def _any_not_durable(self) -> bool:
-        """Whether a page may not be durable yet (any DIRTY or OFFLOADING page where
-        `_not_durable_ids` looks): O(1), so that a flush that made everything durable does not
-        collect ids to find nothing."""
-        dev, host = self._dev.counts, self._host.counts
-        return bool(dev[S.DIRTY] or dev[S.OFFLOADING]
-                    or self._link is not None and (host[S.DIRTY] or host[S.OFFLOADING]))
-
-    def _wait_idle(self, deadline: float | None) -> None:
-        """Wait outside the lock until no engine copy is in flight and the backup queue has
-        drained or the breaker refuses to try again before `deadline`."""
-        while True:
-            with self._lock:
-                self._reap()
-                tickets = [t for t, _ in self._inflight]
-                if not tickets:
-                    if self._link is None:
-                        return
-                    busy = self._backups_in_flight or (len(self._backup_queue) and self._breaker.wait_s() == 0)
-                    if not busy:
-                        return
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return
-                    self._changed.wait(timeout=remaining if remaining is not None else 1.0)
-                    continue
-            for ticket in tickets:
-                ticket.synchronize()
 
     def close(self, timeout_s: float | None = None) -> int:
         """Flush (for at most `timeout_s`, default `close_timeout_s`), then release memory,

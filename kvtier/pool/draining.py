@@ -1,0 +1,122 @@
+"""Making the pool durable: what `flush` and `close` wait for.
+
+Owns the loop that pushes every page not yet durable down the tiers (device pages copied to
+the host tier, host pages backed up to the remote tier), waits outside the lock for the copies
+and backups in flight, and says which pages could not be made durable (a failing remote tier,
+pages that cannot be encoded) within a deadline. TieredPool (pool.py) inherits it. It must
+never drop a page itself nor hold the lock while it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvtier.index import PageState
+
+S = PageState
+log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever file speaks
+
+
+class Draining:
+    """The flush loop of TieredPool."""
+
+    def _flush(self, deadline: float | None) -> tuple[int, int]:
+        """Make durable the pages that are not when the flush starts (pages committed meanwhile
+        are copied too, but not waited for or counted: under steady commits a flush would
+        otherwise never see nothing left, and would report new pages as failures). Returns
+        (pages still not durable, pages dropped meanwhile, already counted by their reason)."""
+        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
+        dropped = self.counters.dropped
+        dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
+        last = None
+        owed = None  # key ids of the pages not durable when the flush started
+        probe_first = True
+        while True:
+            with self._lock:
+                self._reap()
+                if owed is None:
+                    owed = set().union(*self._not_durable_ids())
+                # Host pages first: their backups probe a remote tier the breaker holds off.
+                if self._link is not None:
+                    for s in self._host.idle(self._host.dirty_kept(keep)):
+                        self._backup_queue.append(s)
+                    if len(self._backup_queue):
+                        self._breaker.force_probe()
+                        self._backup_work.notify()
+                # Flush copies every dirty page itself (after the latest commit's event, which
+                # follows every queued batch's): the offload thread's queued batches go, or one
+                # would copy a page again after flush returned, once something made it dirty.
+                self._pending_down.clear()
+                dev = self._dev
+                dev_dirty = dev.idle(dev.dirty_kept(keep))
+                # A copy down needs host room, which an unhealthy remote tier makes by dropping
+                # dirty host pages: the first round lets the probe answer before copying down.
+                waiting_for_probe = (probe_first and dev_dirty and self._link is not None
+                                     and not self._breaker.healthy and len(self._backup_queue))
+                probe_first = False
+                if dev_dirty and not waiting_for_probe:
+                    self._copy_down(dev_dirty, evicting=False)
+            # Wait for everything this round started, then look again while that helps.
+            self._wait_idle(deadline)
+            with self._lock:
+                self._reap()
+                on_device, on_host = self._not_durable_ids() if owed and self._any_not_durable() else (set(), set())
+                owed &= on_device | on_host
+                left = len(owed)
+                # Progress is a page a tier nearer durable: one copied down from the device counts.
+                distance = left + len(owed & on_device)
+                stuck = last is not None and distance >= last and not waiting_for_probe
+            if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
+                break
+            last = distance
+        gone = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
+        if left + gone:
+            log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
+                        left + gone, dict(self.counters.remote_failures), self._breaker.last_error)
+        return left, gone
+
+    def _not_durable_ids(self) -> tuple[set[bytes], set[bytes]]:
+        """Key ids of the pages the write policy keeps that no last tier holds yet, dirty or
+        being copied down: (on the device, in the host tier). O(dirty pages); slots being
+        copied are found with one vectorized scan of the tier's states, only while copies are
+        in flight."""
+        keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
+        found = []
+        for index in (self._dev, self._host):
+            out: set[bytes] = set()
+            if index is self._dev or self._link is not None:
+                out.update(index.ids_of(index.dirty_kept(keep, ordered=False)))
+                if index.counts[S.OFFLOADING]:
+                    out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
+            found.append(out)
+        return found[0], found[1]
+
+    def _any_not_durable(self) -> bool:
+        """Whether a page may not be durable yet (any DIRTY or OFFLOADING page where
+        `_not_durable_ids` looks): O(1), so that a flush that made everything durable does not
+        collect ids to find nothing."""
+        dev, host = self._dev.counts, self._host.counts
+        return bool(dev[S.DIRTY] or dev[S.OFFLOADING]
+                    or self._link is not None and (host[S.DIRTY] or host[S.OFFLOADING]))
+
+    def _wait_idle(self, deadline: float | None) -> None:
+        """Wait outside the lock until no engine copy is in flight and the backup queue has
+        drained or the breaker refuses to try again before `deadline`."""
+        while True:
+            with self._lock:
+                self._reap()
+                tickets = [t for t, _ in self._inflight]
+                if not tickets:
+                    if self._link is None:
+                        return
+                    busy = self._backups_in_flight or (len(self._backup_queue) and self._breaker.wait_s() == 0)
+                    if not busy:
+                        return
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return
+                    self._changed.wait(timeout=remaining if remaining is not None else 1.0)
+                    continue
+            for ticket in tickets:
+                ticket.synchronize()

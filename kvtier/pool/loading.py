@@ -1,0 +1,297 @@
+"""Loads of the pool: how `TieredPool.load` moves pages that are not where the engine wants them.
+
+Owns a load's mechanics once the call has decided to load now: the chunks it submits (small
+first, growing, capped in bytes, so the first bytes move early and a long load makes few copies),
+securing each page's source (pinning device and host copies, starting remote fetches, waiting
+outside the lock for what is still landing), planning the copies per tier with the batch
+lookups of the tier indexes, and submitting them as one handle. TieredPool (pool.py) inherits
+it; its methods run under the pool's lock except where they say they wait. It must never decide
+whether a call loads (pool.py does) nor touch page bytes itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from kvtier.index import PageState
+from kvtier.index.key_table import MANY
+from kvtier.pool.handles import LoadHandle, PoolExhausted
+from kvtier.pool.movement import _READABLE
+from kvtier.transfer import JoinedTicket, Ticket
+
+S = PageState
+log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever file speaks
+
+# A load that keeps waiting (every wait a real event: a fetch, a copy, a change) while other
+# threads take the room or pages it needs gives up after this long, with PoolExhausted.
+_LOAD_PATIENCE_S = 30.0
+# A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
+# the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
+_FIRST_CHUNK = 32
+_CHUNK_GROWTH = 4
+# ... up to this many bytes a chunk (or MANY pages): a chunk's copy then outlasts the
+# next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
+# load's copies run back to back instead of waiting for one last chunk of most of the batch.
+_CHUNK_BYTES = 64 << 20
+
+
+class Loading:
+    """The load mechanics of TieredPool."""
+
+    def _load_now(self, ids: list[bytes]) -> LoadHandle | None:
+        """The common load in one hold of the lock, or None (the device as it was, but for
+        evictions) for the general path: every key on the device or readable in the host tier,
+        and device room for the host pages without waiting (free slots, or clean pages to evict).
+        Device pages are held where they are; host pages land in new slots keyed at once
+        (FREE -> LOADING).
+
+        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up to
+        _CHUNK_BYTES; after the first, a tail under half the next chunk joins the one before it), each
+        chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes start moving
+        after one small chunk of Python. A chunk that finds a key it cannot load now cancels the chunks
+        before it: their pages lose their keys at once and their slots are freed when their copies land.
+
+        With layer_ordered_loads, an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
+        more than one chunk's keys, each chunk copies only its first layer as it is booked, and the
+        other layers of every chunk follow in one call after the last chunk, in layer order: the
+        whole load's first layer lands after 1/L of its bytes, not near the end as when each chunk
+        moves every layer, so attention over layer i overlaps the copies of the layers after it.
+        """
+        dev, host, engine = self._dev, self._host, self.engine
+        dget_many = dev.table.get_many
+        landing = self._dev_landing
+        out = [-1] * len(ids)
+        pinned: list[int] = []  # device pages held where they are
+        started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
+        ready = None
+        num_layers = self.fmt.num_layers
+        # Split only loads of several chunks: one chunk's copy (one launch on CUDA) already lands layer by layer.
+        split = (self._layer_ordered_loads and getattr(engine, "reloads_layers", False)
+                 and num_layers > 1 and len(ids) > _FIRST_CHUNK)
+        pending: list[tuple[list[int], list[int], Ticket, list[bool]]] = []  # split: (srcs, targets, first layer, flags)
+        pos, chunk = 0, _FIRST_CHUNK
+        largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
+        while pos < len(ids):
+            end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
+            end = len(ids) if pos and len(ids) - end < chunk // 2 else min(end, len(ids))
+            srcs = []
+            dslots = dget_many(ids[pos:end])
+            if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
+                src_ids, src_pos = ids[pos:end], range(pos, end)
+            else:
+                src_ids, src_pos = [], []
+                for i, slot in enumerate(dslots, pos):
+                    if slot >= 0:
+                        dev.pin(slot)
+                        dev.touch(slot)
+                        pinned.append(slot)
+                        out[i] = slot
+                    else:
+                        src_ids.append(ids[i])
+                        src_pos.append(i)
+            if src_ids:
+                # Sources busy first, so that making room (whose copies down take host slots) cannot evict them.
+                srcs = host.hold_readable(src_ids)
+                if srcs is None:
+                    self._cancel_load_now(pinned, started, pending)
+                    return None
+            pos = end
+            n = len(srcs)
+            if not n:
+                continue
+            if n > len(dev.free):
+                if n <= dev.capacity - dev.held:
+                    self._make_device_room(n - len(dev.free))
+                if n > len(dev.free):  # dirty pages are being copied down first (or it can never fit): general path
+                    self._release_host(srcs)
+                    self._cancel_load_now(pinned, started, pending)
+                    return None
+            targets = dev.take_bound(src_ids)
+            if ready is None:
+                ready = engine.record_ready()
+            if type(src_pos) is range:
+                out[src_pos.start : src_pos.stop] = targets
+            else:
+                for i, slot in zip(src_pos, targets):
+                    out[i] = slot
+            flags = [False, False]  # cancelled, landed
+            if split:
+                ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
+                started.append((targets, ticket, flags))
+                pending.append((srcs, targets, ticket, flags))
+                continue
+            ticket = engine.reload(srcs, targets, ready=ready)
+            landing.update(dict.fromkeys(targets, ticket))
+            started.append((targets, ticket, flags))
+            self._submit(ticket, self._landed(srcs, targets, ticket, flags))
+        tickets = list({landing[s] for s in pinned if s in landing}) if landing else []
+        tickets += [ticket for _, ticket, _ in started]
+        if pending:
+            # Every chunk's first layer is queued: now the other layers of all of them, in layer order.
+            rest = engine.reload_layers(
+                np.concatenate([np.asarray(srcs, dtype=np.int64) for srcs, _, _, _ in pending]),
+                np.concatenate([np.asarray(targets, dtype=np.int64) for _, targets, _, _ in pending]),
+                range(1, num_layers), ready=ready,
+            )
+            tickets.append(rest)
+            for srcs, targets, first, flags in pending:
+                joined = JoinedTicket([first, rest], num_layers)
+                landing.update(dict.fromkeys(targets, joined))
+                self._submit(joined, self._landed(srcs, targets, joined, flags))
+        return LoadHandle(tickets, num_layers, out)
+
+    def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
+        """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
+        copying unkeyed and unheld (freed when they land). pending: chunks that copy their first
+        layer only (split loads), whose landing is watched from here on."""
+        dev, landing = self._dev, self._dev_landing
+        for srcs, targets, first, flags in pending:
+            self._submit(first, self._landed(srcs, targets, first, flags))
+        for slot in pinned:
+            dev.unpin(slot)
+        for targets, ticket, flags in started:
+            flags[0] = True
+            dev.unpin_all(targets)
+            if flags[1]:  # landed already (a synchronous engine): those pages go now
+                dev.set_states(targets, S.FREE)
+                continue
+            for slot in targets:  # still landing: unkeyed now, freed when the copy lands
+                dev.table.unbind(slot)
+                if landing.get(slot) is ticket:
+                    del landing[slot]
+
+    def _secure_sources(self, ids: list[bytes]) -> tuple[dict[int, int], dict[int, int]]:
+        """Hold a readable copy of every key, busy, so nothing evicts it: device pages where they
+        are, else a host slot (read from the remote tier first if needed, waiting outside the
+        lock). Returns ({key index: device slot}, {key index: host slot}); raises KeyError, with
+        nothing held, when a key is in no tier."""
+        dev_src: dict[int, int] = {}
+        host_src: dict[int, int] = {}
+        deadline, rounds = None, 0
+        try:
+            while True:
+                with self._lock:
+                    self._check_open()
+                    self._reap()
+                    waits, missing = self._plan_sources(ids, dev_src, host_src)
+                    if missing:
+                        raise KeyError(
+                            f"load: {len(missing)} of {len(ids)} keys are in no tier; "
+                            f"first missing: key {missing[0]} (id {ids[missing[0]].hex()})"
+                        )
+                    if not waits:
+                        return dev_src, host_src
+                for wait in waits:
+                    wait()
+                rounds += 1
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + _LOAD_PATIENCE_S
+                elif now > deadline:
+                    raise PoolExhausted(
+                        f"load: other threads kept taking the room or pages these {len(ids)} keys need "
+                        f"for {_LOAD_PATIENCE_S:g} s ({rounds} waits); raise host_pages or load fewer pages at once"
+                    )
+        except BaseException:
+            with self._lock:
+                self._dev.unhold_all(dev_src.values())
+                self._release_host(host_src.values())
+            raise
+
+    def _release_host(self, slots) -> None:
+        """Drop a load's holds on host slots; a slot whose fetch failed is freed once idle."""
+        host = self._host
+        host.unhold_all(slots)
+        host.set_states([s for s in slots if host.state[s] == S.LOADING and not host.busy[s]
+                         and not host.table.holds_key(s)], S.FREE)
+        self._changed.notify_all()  # room for a caller waiting on `_progress_waiter`
+
+    def _plan_sources(self, ids, dev_src: dict[int, int], host_src: dict[int, int]):
+        """One round of `_secure_sources` under the lock: (things to wait for, indexes in no tier)."""
+        dev, host = self._dev, self._host
+        waits, fetch, missing = [], [], []
+        for i, slot in list(host_src.items()):
+            if host.state[slot] != S.LOADING:
+                continue
+            if host.table.holds_key(slot):  # our fetch is still landing
+                waits.append(self._fetching[slot].synchronize)
+                continue
+            # Our fetch failed: the page is in no tier now.
+            del host_src[i]
+            self._release_host((slot,))
+            missing.append(i)
+        if missing:
+            return waits, missing
+        # Each tier's lookups at once (numpy over the host table from MANY ids).
+        todo = [i for i in range(len(ids)) if i not in host_src and i not in dev_src] if host_src or dev_src else range(len(ids))
+        found = dev.table.get_many(ids if type(todo) is range else [ids[i] for i in todo])
+        on_dev = [slot for slot in found if slot >= 0]
+        dev_src.update((i, slot) for i, slot in zip(todo, found) if slot >= 0)
+        off = [i for i, slot in zip(todo, found) if slot < 0] if on_dev else todo
+        on_host, hstate = [], host.state
+        for i, slot in zip(off, host.table.get_many(ids if type(off) is range else [ids[i] for i in off])):
+            if slot >= 0:
+                if _READABLE[hstate[slot]]:
+                    host_src[i] = slot
+                    on_host.append(slot)
+                else:  # landing for another call (a prefetch or a copy-down): wait, then look again
+                    ticket = self._fetching.get(slot)
+                    waits.append(ticket.synchronize if ticket is not None else self._progress_waiter("host"))
+                continue
+            fetch.append(i)
+        dev.hold_all(on_dev, distinct=True)  # the slots of distinct keys
+        host.hold_all(on_host, touch=True, distinct=True)
+        if fetch and self._link is None:
+            return waits, fetch
+        if fetch:
+            if len(fetch) > self._host.capacity:
+                raise PoolExhausted(self._exhausted("host", len(fetch)))
+            started = self._fetch([ids[i] for i in fetch], for_load=True)
+            for i, (slot, ticket) in zip(fetch, started):
+                host_src[i] = slot
+                waits.append(ticket.synchronize)
+            if len(started) < len(fetch):  # no host room now: wait for copies in flight, then ask again
+                wait = self._progress_waiter("host")
+                if wait is None:
+                    raise PoolExhausted(self._exhausted("host", len(fetch) - len(started)))
+                waits.append(wait)
+        return [w for w in waits if w is not None], missing
+
+    def _submit_load(self, ids, slots, dev_src: dict[int, int], host_src: dict[int, int], new: list[int]) -> LoadHandle:
+        """Under the lock, with every source held: queue the reloads and device copies."""
+        dev = self._dev
+        tickets: list[Ticket] = []
+        dev_idx = sorted(dev_src)
+        landing = list({self._dev_landing[dev_src[i]] for i in dev_idx if dev_src[i] in self._dev_landing})
+        reload_idx = sorted(host_src)
+        if slots is None:
+            out = [0] * len(ids)
+            for i in dev_idx:
+                slot = dev_src[i]
+                dev.pin(slot)
+                dev.touch(slot)
+                out[i] = slot
+            tickets.extend(landing)
+            targets = new
+        else:
+            out = list(slots)
+            if dev_idx:
+                for ticket in landing:  # the copy reads pages still landing: order after them
+                    ticket.wait()
+                tickets.append(self._device_copy([dev_src[i] for i in dev_idx], [slots[i] for i in dev_idx]))
+            targets = [slots[i] for i in reload_idx]
+        dev.unhold_all(dev_src.values())  # pinned above, or held by the device copy now
+        dev_src.clear()
+        if reload_idx:
+            # A key may have reached the device meanwhile (another thread loaded or committed
+            # it): its copy then lands in our slot as a private, unkeyed page.
+            keyed = [slot < 0 for slot in dev.table.get_many([ids[i] for i in reload_idx])]
+            sources = [host_src[i] for i in reload_idx]
+            host_src.clear()  # the reload takes over the load's holds on its sources
+            tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))
+            for i, slot in zip(reload_idx, targets):
+                out[i] = slot
+        return LoadHandle(tickets, self.fmt.num_layers, out)
