@@ -143,7 +143,7 @@ def test_a_write_fault_sends_a_small_put_through_nixl(open_store):
 def test_small_puts_take_spare_reservations_and_close_gives_them_back(open_store):
     """A small put reserves SPARE_SLOTS more slots in its reservation's transaction; the next
     small puts use them (one index transaction each); close releases what is left."""
-    from kvtier.tiers.remote.store import SPARE_SLOTS
+    from kvtier.tiers.remote.store_steps import SPARE_SLOTS
 
     store = open_store(capacity_bytes=1 << 30)
     count = SPARE_SLOTS + 3
