@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier import prefix_keys
+from kvtier import PoolExhausted, prefix_keys
 from tests.test_pool_faults import make_pool, read_back, write
 
 pytest.importorskip("nixl_cu13")
@@ -95,7 +95,8 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
     """The held write carries every page of the host tier (the breaker's probe after a failed
     write takes the whole queue), so no dirty device page can be copied down while it is held:
     once the store's timeout has passed, those pages are dropped and counted instead of waited
-    for, and pages written before stay readable bit for bit."""
+    for, a load that needs host room raises PoolExhausted naming the stuck write at once, and
+    pages written before stay readable bit for bit."""
     pool = make_pool(tmp_path, write_policy="write_through", remote_backoff_s=1.0, remote_backoff_max_s=2.0)
     pool.remote.set_timeout(0.5)
     early = prefix_keys(np.arange(0, 8 * 8), 8, pool.namespace)  # 8 pages, durable before the fault
@@ -132,6 +133,14 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
             longest = max(longest, time.monotonic() - start)
         assert longest < 10, f"an engine call waited {longest:.1f} s behind a held write"
         assert pool.stats()["dropped"].get("remote_unavailable", 0) > 0
+        # A load that must fetch into the host tier finds no room the held write will give back
+        # soon: it says so at once instead of waiting for it.
+        slots = pool.allocate(1)
+        start = time.monotonic()
+        with pytest.raises(PoolExhausted, match="stuck inside the store"):
+            pool.load(early[:1], slots)
+        assert time.monotonic() - start < 10
+        pool.release(slots)
         start = time.monotonic()
         pool.close(timeout_s=1.0)
         assert time.monotonic() - start < 10

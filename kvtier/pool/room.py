@@ -86,6 +86,9 @@ class TierRoom:
         index = self._dev if tier == "device" else self._host
         advice = ("release pages the engine holds or raise device_pages" if tier == "device"
                   else "raise host_pages or load fewer pages at once")
+        if self._backups_stalled:
+            advice = ("a remote write is stuck inside the store past its timeout (a stuck disk?) and holds "
+                      f"its host pages until it returns; {advice}")
         return (
             f"{tier} tier: need {n} slots, none left free or evictable "
             f"({index.capacity} slots: {index.held} held by the engine, {index.busy_slots} in copies in flight, "
