@@ -95,8 +95,9 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
     """The held write carries every page of the host tier (the breaker's probe after a failed
     write takes the whole queue), so no dirty device page can be copied down while it is held:
     once the store's timeout has passed, those pages are dropped and counted instead of waited
-    for, a load that needs host room raises PoolExhausted naming the stuck write at once, and
-    pages written before stay readable bit for bit."""
+    for, a load that needs host room raises PoolExhausted naming the stuck write at once, a
+    flush returns with the stuck pages counted as not durable, and pages written before stay
+    readable bit for bit."""
     pool = make_pool(tmp_path, write_policy="write_through", remote_backoff_s=1.0, remote_backoff_max_s=2.0)
     pool.remote.set_timeout(0.5)
     early = prefix_keys(np.arange(0, 8 * 8), 8, pool.namespace)  # 8 pages, durable before the fault
@@ -141,6 +142,10 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
             pool.load(early[:1], slots)
         assert time.monotonic() - start < 10
         pool.release(slots)
+        # A flush does not wait for the stuck write either: it reports its pages as not durable.
+        start = time.monotonic()
+        assert pool.flush() >= 16
+        assert time.monotonic() - start < 10
         start = time.monotonic()
         pool.close(timeout_s=1.0)
         assert time.monotonic() - start < 10

@@ -102,7 +102,8 @@ class Draining:
 
     def _wait_idle(self, deadline: float | None) -> None:
         """Wait outside the lock until no engine copy is in flight and the backup queue has
-        drained or the breaker refuses to try again before `deadline`."""
+        drained, the breaker refuses to try again, or the backup in flight has stalled inside
+        the store, before `deadline`."""
         while True:
             with self._lock:
                 self._reap()
@@ -110,7 +111,11 @@ class Draining:
                 if not tickets:
                     if self._link is None:
                         return
-                    busy = self._backups_in_flight or (len(self._backup_queue) and self._breaker.wait_s() == 0)
+                    # A backup stalled inside the store (room.py, `_backup_stalled`) is not waited
+                    # for: it may never return, and the writer waits in it, so the queue cannot move.
+                    stalled = self._backups_stalled
+                    busy = self._backups_in_flight > stalled or (
+                        not stalled and len(self._backup_queue) and self._breaker.wait_s() == 0)
                     if not busy:
                         return
                     remaining = None if deadline is None else deadline - time.monotonic()
