@@ -627,7 +627,6 @@ def test_bind_many_of_a_short_batch_keys_what_bind_keys_and_names_the_bad_pair(c
 def test_touch_all_in_numpy_counts_what_the_loop_counts(monkeypatch):
     """Hit counts saturate at 255 and the eviction order moves the same way on both paths; a
     batch with a repeated slot takes the loop (each touch counts)."""
-    rng = random.Random(9)
     got = []
     for bulk in (1, 10**9):
         monkeypatch.setattr(tier_index, "BULK", bulk)
