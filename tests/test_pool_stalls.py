@@ -17,6 +17,20 @@ from tests.test_pool_faults import make_pool, read_back, write
 pytest.importorskip("nixl_cu13")
 
 
+def hold_writes(pool, release: threading.Event | None = None) -> tuple[threading.Event, threading.Event]:
+    """Hold every write request inside the store (as a stuck disk holds it) until `release` is
+    set, or 60 s: returns (set once a write is held, release)."""
+    held, release = threading.Event(), release or threading.Event()
+
+    def hold(op: str) -> None:
+        if op == "WRITE":
+            held.set()
+            release.wait(60)
+
+    pool.remote.faults.mid_request = hold
+    return held, release
+
+
 @pytest.mark.parametrize("fault", ["error", "error_after_io", "timeout", "enospc"])
 def test_the_write_back_breaker_closes_by_itself_after_the_store_heals(tmp_path, gen, fault):
     """Three failed write requests open the breaker; with a healthy store again and no flush,
@@ -63,14 +77,7 @@ def test_a_write_held_inside_the_store_does_not_hold_the_engine(tmp_path, gen, p
     for i in range(0, 16, 4):
         truth.update(write(pool, early[i : i + 4], gen))
     assert pool.flush() == 0
-    held, release = threading.Event(), threading.Event()
-
-    def hold(op: str) -> None:
-        if op == "WRITE":
-            held.set()
-            release.wait(60)
-
-    pool.remote.faults.mid_request = hold
+    held, release = hold_writes(pool)
     try:
         longest = 0.0
         for batch in range(40):
@@ -106,7 +113,7 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
         truth.update(write(pool, early[i : i + 4], gen))
     assert pool.flush() == 0
     pool.remote.faults.arm("error", count=1, op="WRITE")
-    held, release = threading.Event(), threading.Event()
+    release = threading.Event()  # set in `finally` even when the hold below was never installed
     try:
         # Fill the host tier with 16 pages not yet durable while the breaker waits out its back-off.
         first = prefix_keys(np.arange(5000, 5032), 8, pool.namespace)
@@ -115,13 +122,7 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
         while pool.stats()["remote_breaker"] == "closed" and time.monotonic() < deadline:
             time.sleep(0.005)
         assert pool.stats()["remote_breaker"] == "open", "the failed write did not open the breaker"
-
-        def hold(op: str) -> None:
-            if op == "WRITE":
-                held.set()
-                release.wait(60)
-
-        pool.remote.faults.mid_request = hold
+        held, release = hold_writes(pool, release)
         for batch in range(1, 4):
             write(pool, prefix_keys(np.arange(5000 + 32 * batch, 5032 + 32 * batch), 8, pool.namespace), gen)
         assert held.wait(10), "the probe never reached the store"
