@@ -90,3 +90,155 @@ def test_one_failed_request_among_those_in_flight_fails_only_its_pages(open_stor
     poison(dst)
     assert store.get(keys, dst) == expected
     assert all(torch.equal(a, b) for a, b, ok in zip(src, dst, expected) if ok)
+
+
+def _moves(local: np.ndarray, remote: np.ndarray) -> set[tuple[int, int, int]]:
+    """Every (device, file offset, local address) one byte of these descriptors moves."""
+    return {
+        (int(r[2]), int(r[0]) + k, int(l[0]) + k)
+        for l, r in zip(local.tolist(), remote.tolist()) for k in range(int(l[1]))
+    }
+
+
+def test_descriptors_merge_only_where_both_sides_continue():
+    """Random descriptors in file order with random breaks (another device, a gap in the file,
+    a jump in memory, another registration): the merged rows move exactly the same bytes, and
+    no merged row continues the one before it (the merge is complete)."""
+    from kvtier.tiers.remote.segments import merge_descriptors
+
+    rng = np.random.default_rng(17)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        lens = rng.integers(1, 6, n).astype(np.uint64)
+        local = np.zeros((n, 3), dtype=np.uint64)
+        remote = np.zeros((n, 3), dtype=np.uint64)
+        groups = np.zeros(n, dtype=np.int64)
+        addr, off, dev, group = 1000, 0, 3, 0
+        for i in range(n):
+            kind = int(rng.integers(0, 6))  # 0-1: continue; 2: device; 3: file gap; 4: memory; 5: group
+            if i and kind == 2:
+                dev, off = dev + 1, 0
+            elif i and kind == 3:
+                off += int(rng.integers(1, 4))
+            elif i and kind == 4:
+                addr += int(rng.integers(1, 4))
+            elif i and kind == 5:
+                group += 1
+            local[i] = (addr, lens[i], 0)
+            remote[i] = (off, lens[i], dev)
+            groups[i] = group
+            addr, off = addr + int(lens[i]), off + int(lens[i])
+        merged_local, merged_remote = merge_descriptors(local.copy(), remote.copy(), groups)
+        assert _moves(merged_local, merged_remote) == _moves(local, remote)
+        assert merged_local[:, 1].tolist() == merged_remote[:, 1].tolist()
+        # rows of one group never merge with another's, and no two merged rows could merge
+        starts = np.concatenate(([0], np.cumsum(merged_local[:, 1].astype(np.int64))[:-1]))
+        merged_groups = groups[np.searchsorted(np.cumsum(lens.astype(np.int64)), starts, side="right")]
+        for a, b, ga, gb in zip(merged_local[:-1], merged_local[1:], merged_groups[:-1], merged_groups[1:]):
+            i = np.flatnonzero(merged_local[:, 0] == b[0])[0]
+            continues = (
+                merged_remote[i, 2] == merged_remote[i - 1, 2]
+                and merged_remote[i, 0] == merged_remote[i - 1, 0] + merged_remote[i - 1, 1]
+                and b[0] == a[0] + a[1]
+            )
+            assert not (continues and ga == gb)
+
+
+def _spy_posts(store, monkeypatch) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """The (op, local, remote) descriptors of every NIXL request the store posts (the real
+    post runs)."""
+    posts: list[tuple[str, np.ndarray, np.ndarray]] = []
+    engine = store._engine
+    real = engine.post
+
+    def post(op, local, remote, *args, **kwargs):
+        posts.append((op, local.copy(), remote.copy()))
+        return real(op, local, remote, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "post", post)
+    return posts
+
+
+def test_pages_of_small_aligned_pieces_move_as_one_direct_read(open_store, monkeypatch, tmp_path):
+    """Pages of 4 KiB pieces laid out layer by layer (piece k of page i at (k * count + i) *
+    4 KiB), all aligned: they move as whole records through staging, and the records of
+    neighbouring slots as one O_DIRECT read and write, not one per piece. Bytes round-trip
+    cold and exactly; memory between pieces is never written."""
+    from kvtier.tiers.remote.datapath import STAGED_PIECE_BYTES
+    from test_remote_direct_io import drop_cache, resident_bytes
+    from test_remote_store import record_offsets
+
+    piece, per_page, count = 4096, PAGE // 4096, 32
+    assert piece < STAGED_PIECE_BYTES
+    store = open_store(segment_bytes=4 << 20)
+    assert store.stats()["direct_io"] == 1
+    src_region = mmap.mmap(-1, per_page * count * piece)
+    dst_region = mmap.mmap(-1, per_page * count * piece)
+    src = torch.frombuffer(src_region, dtype=torch.uint8)
+    dst = torch.frombuffer(dst_region, dtype=torch.uint8)
+    src.copy_(torch.randint(0, 256, (len(src),), dtype=torch.uint8, generator=torch.Generator().manual_seed(41)))
+    store.register_host_memory(src)
+    store.register_host_memory(dst)
+
+    def table(flat: torch.Tensor, pages: list[int]) -> PageBuffers:
+        k = np.arange(per_page, dtype=np.uint64)[None, :] * np.uint64(count * piece)
+        i = np.asarray(pages, dtype=np.uint64)[:, None] * np.uint64(piece)
+        ptrs = (np.uint64(flat.data_ptr()) + k + i).reshape(-1)
+        return PageBuffers.from_arrays(ptrs, np.full(len(ptrs), piece, dtype=np.uint64), len(pages), PAGE)
+
+    ids = key_ids([f"small-pieces-{i}" for i in range(count)])
+    posts = _spy_posts(store, monkeypatch)
+    assert store.put_ids(ids, table(src, list(range(count)))) == [True] * count
+    writes = [(local, remote) for op, local, remote in posts if op == "WRITE"]
+    assert len(writes) == 1
+    local, remote = writes[0]
+    payload = remote[:, 1] % np.uint64(4096) == 0
+    assert remote[payload, 1].tolist() == [count * PAGE]  # one write of 32 records, not 128 pieces
+    path, _, first = record_offsets(store, "small-pieces-0")
+    drop_cache(path)
+    dst.fill_(0xA5)
+    half = list(range(count // 2, count)) + list(range(count // 2))  # asked out of file order
+    posts.clear()
+    found = store.get_ids([ids[i] for i in half], table(dst, list(range(count))))
+    assert found == [True] * count
+    reads = [(local, remote) for op, local, remote in posts if op == "READ"]
+    assert len(reads) == 1
+    local, remote = reads[0]
+    payload = remote[:, 1] % np.uint64(4096) == 0
+    assert remote[payload, 1].tolist() == [count * PAGE]  # one read
+    assert resident_bytes(path, first, count * PAGE) == 0  # with O_DIRECT
+    want = torch.full_like(dst, 0xA5)
+    for j, page in enumerate(half):  # dst page j holds src page half[j]
+        for k in range(per_page):
+            at, to = (k * count + page) * piece, (k * count + j) * piece
+            want[to : to + piece] = src[at : at + piece]
+    assert torch.equal(dst, want)
+
+
+def test_merged_descriptors_stay_inside_one_registered_region(open_store, monkeypatch):
+    """Pages contiguous in memory and in the file merge into one descriptor only inside one
+    registered region: a pool registered as two halves moves as two runs, each inside its
+    half, and its bytes round-trip."""
+    store = open_store(segment_bytes=4 << 20)
+    count = 8
+    region, pages = aligned_pages(2 * count)
+    flat = torch.frombuffer(region, dtype=torch.uint8)
+    half = count // 2 * PAGE
+    store.register_host_memory(flat[:half])
+    store.register_host_memory(flat[half : 2 * half])
+    store.register_host_memory(flat[2 * half : 4 * half])
+    fill_random(pages[:count], seed=43)
+    keys = [f"halves-{i}" for i in range(count)]
+    posts = _spy_posts(store, monkeypatch)
+    assert store.put(keys, pages[:count]) == [True] * count
+    base = flat.data_ptr()
+    (op, local, remote), = posts
+    payload = local[:, 1] >= PAGE
+    assert sorted((int(a) - base, int(n)) for a, n in local[payload, :2]) == [(0, half), (half, half)]
+    poison(pages[count:])
+    posts.clear()
+    assert store.get(keys, pages[count:]) == [True] * count
+    (op, local, remote), = posts
+    payload = local[:, 1] >= PAGE
+    assert [(int(a) - base, int(n)) for a, n in local[payload, :2]] == [(2 * half, 2 * half)]  # one region
+    assert all(torch.equal(pages[i], pages[count + i]) for i in range(count))

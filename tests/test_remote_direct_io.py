@@ -281,8 +281,9 @@ def test_a_large_last_request_is_checked_in_shares(open_store, monkeypatch, offs
     from kvtier.tiers.remote import datapath
 
     monkeypatch.setattr(datapath, "_CPUS", cpus)
-    count = datapath.PARALLEL_CHECKSUM_BYTES // PAGE + 40
-    store = open_store(segment_bytes=32 << 20)
+    # a get spreads over DIRECT_REQUESTS_IN_FLIGHT requests: each must still pass the threshold
+    count = datapath.DIRECT_REQUESTS_IN_FLIGHT * (datapath.PARALLEL_CHECKSUM_BYTES // PAGE + 10)
+    store = open_store(segment_bytes=64 << 20)
     _src_region, src = aligned_pages(count, offset)
     _dst_region, dst = aligned_pages(count, offset)
     fill_random(src, seed=23 + cpus)
