@@ -55,10 +55,11 @@ logger = logging.getLogger(__name__)
 
 PARALLEL_CHECKSUM_BYTES = 4 << 20
 # With direct I/O, pages of pieces below this size move whole records through staging, and
-# neighbouring records as one read: on a 2-core VM's virtio disk, cold pages of 16 pieces of
-# 4 KiB read at 228-249 MiB/s one direct read a piece, 506-611 staged (64 KiB pieces: 888-1,055
-# -> 1,107-1,189 MiB/s at 8 pages).
-STAGED_PIECE_BYTES = 256 << 10
+# neighbouring records as one read or write. Measured on a 2-core VM's virtio disk, 128 pages
+# of 16 pieces, steady state: 4 KiB pieces, get 14.8-18.4 -> 9.4-11.1 ms, put 24.7-36.7 ->
+# 13.3-19.4 ms; 64 KiB pieces (8 pages) gained no read speed and their puts slowed from 8-11 to
+# 14-16 ms (the copy into staging costs more than 64 KiB direct writes lose).
+STAGED_PIECE_BYTES = 32 << 10
 # A get of several requests' worth is spread over the requests in flight, none below this size
 # (a request costs NIXL tens of µs of CPU): the first requests' pages are checked while the
 # last move.
