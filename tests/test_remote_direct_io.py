@@ -299,3 +299,44 @@ def test_a_large_last_request_is_checked_in_shares(open_store, monkeypatch, offs
     assert all(torch.equal(src[i], dst[i]) for i in range(1, count - 1))
     if offset:  # staged: a page that failed its check is never copied out
         assert all(bool((dst[i] == 0xA5).all()) for i in (0, count - 1))
+
+
+def test_a_cold_get_asks_for_its_headers_before_its_first_post(open_store, monkeypatch):
+    """Record headers are read through the buffered descriptor inside NIXL's post: a cold get
+    first asks the kernel to read the span of its headers ahead (without waiting), so they are
+    in the page cache, or on their way, before the first request is posted; bytes round-trip."""
+    import time
+
+    from kvtier.tiers.remote.segments import SegmentFiles
+
+    store = open_store(segment_bytes=4 << 20)
+    _src_region, src = aligned_pages(16)
+    _dst_region, dst = aligned_pages(16)
+    fill_random(src, seed=47)
+    keys = [f"ahead-{i}" for i in range(16)]
+    assert store.put(keys, src) == [True] * 16
+    path, first_header, _ = record_offsets(store, keys[0])
+    _, last_header, _ = record_offsets(store, keys[-1])
+    span = last_header + 64 - first_header
+    drop_cache(path)
+    assert resident_bytes(path, first_header, span) == 0
+    events: list[str] = []
+    real_ahead, real_post = SegmentFiles.read_ahead_headers, store._engine.post
+
+    def ahead(medium, located, items):
+        real_ahead(medium, located, items)
+        deadline = time.monotonic() + 5
+        while resident_bytes(path, first_header, span) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # WILLNEED only starts the read: wait here to observe it land
+        events.append(f"ahead:{len(items)}:{resident_bytes(path, first_header, span) > 0}")
+
+    def post(op, *args, **kwargs):
+        events.append(op)
+        return real_post(op, *args, **kwargs)
+
+    monkeypatch.setattr(SegmentFiles, "read_ahead_headers", ahead)
+    monkeypatch.setattr(store._engine, "post", post)
+    poison(dst)
+    assert store.get(keys, dst) == [True] * 16
+    assert events[0] == "ahead:16:True" and set(events[1:]) == {"READ"}
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))

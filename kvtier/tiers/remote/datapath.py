@@ -299,6 +299,7 @@ class DataPath:
         checks: list[tuple[list[int], Future]] = []
         staged = self._staged(pages)
         inflight: deque = deque()
+        self._medium.read_ahead_headers(located, readable)
         try:
             for chunk in self._chunks(self._in_file_order(located, readable), spread=True):
                 sources = [wanted[j] for j in chunk]
@@ -533,13 +534,14 @@ class DataPath:
 
     def _chunks(self, items: list[int], spread: bool = False) -> list[list[int]]:
         """Split pages into runs of up to ``pipeline_bytes``, one NIXL request each; with
-        ``spread``, into up to ``window`` runs of at least ``SPREAD_REQUEST_BYTES``, so the pages
-        of the first requests are checked while the later ones move (a call of one request
-        checks all of its pages after its last byte arrived)."""
+        ``spread``, into up to ``DIRECT_REQUESTS_IN_FLIGHT`` runs of at least
+        ``SPREAD_REQUEST_BYTES``, so the pages of the first requests are checked while the
+        later ones move (a call of one request checks all of its pages after its last byte
+        arrived)."""
         step = self.per_request
         if spread:
             least = max(1, SPREAD_REQUEST_BYTES // self.page_bytes)
-            step = min(step, max(least, -(-len(items) // self.window)))
+            step = min(step, max(least, -(-len(items) // DIRECT_REQUESTS_IN_FLIGHT)))
         return [items[s : s + step] for s in range(0, len(items), step)]
 
     def _job(self, fn: Callable, args: tuple, pipelined: bool) -> Future:

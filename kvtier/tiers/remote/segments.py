@@ -563,6 +563,24 @@ class SegmentFiles:
         fd, direct, slot_stride, nslots = self._segment(seg)
         return None, size, fd, direct, slot_stride, nslots, segment_file_bytes(slot_stride, nslots)
 
+    def read_ahead_headers(self, located: Located, items: Sequence[int]) -> None:
+        """Start reading the record headers of ``items`` into the page cache and return at once
+        (``POSIX_FADV_WILLNEED``, one call per file over the span of its headers). Headers go
+        through the buffered descriptor, whose read NIXL does inside the post: uncached, the
+        first request's post waited for the disk before the later requests could be posted
+        (1.4-2.1 ms of an 8-page cold read on a virtio disk). Advisory: errors are ignored."""
+        if not len(items):
+            return
+        at = np.asarray(items, dtype=np.int64)
+        devs, offsets = located.devs[at], located.header_offs[at]
+        for fd in np.unique(devs).tolist():
+            mine = offsets[devs == fd]
+            lo, hi = int(mine.min()), int(mine.max()) + HEADER_BYTES
+            try:
+                os.posix_fadvise(int(fd), lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+
     def start_writeback(self, remote: np.ndarray) -> None:
         """Ask the kernel to start writing the byte range a request just dirtied, per file, so
         the device works while the next request is checksummed and copied (RocksDB's
@@ -665,6 +683,9 @@ class SlotObjects:
         remote[:, 1] = record
         remote[:, 2] = located.devs[np.asarray(pages, dtype=np.int64)]
         return local, remote, staging
+
+    def read_ahead_headers(self, located: Located, items: Sequence[int]) -> None:
+        """Headers travel inside each object's payload."""
 
     def start_writeback(self, remote: np.ndarray) -> None:
         """Objects are written when the request completes."""
