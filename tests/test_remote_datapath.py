@@ -242,3 +242,27 @@ def test_merged_descriptors_stay_inside_one_registered_region(open_store, monkey
     payload = local[:, 1] >= PAGE
     assert [(int(a) - base, int(n)) for a, n in local[payload, :2]] == [(2 * half, 2 * half)]  # one region
     assert all(torch.equal(pages[i], pages[count + i]) for i in range(count))
+
+
+def test_pages_of_one_piece_layout_match_the_checked_constructor():
+    """``PageBuffers.of_layout`` (a layout checked once, then pointers only) describes the same
+    pages as ``from_arrays``; a layout whose lengths do not make a page, or a pointer count
+    that is not whole pages, is refused."""
+    from kvtier.tiers.remote.buffers import PieceLayout
+
+    rng = np.random.default_rng(3)
+    lengths = [4096, 100, 8192 - 100, 4096]
+    layout = PieceLayout(lengths, PAGE)
+    for count in (1, 5):
+        ptrs = rng.integers(1 << 20, 1 << 40, count * len(lengths), dtype=np.int64).astype(np.uint64)
+        mine = PageBuffers.of_layout(ptrs.tolist(), layout, count)
+        checked = PageBuffers.from_arrays(ptrs, np.tile(np.array(lengths, dtype=np.uint64), count), count, PAGE)
+        for field in ("ptrs", "lens", "offsets", "first"):
+            assert getattr(mine, field).tolist() == getattr(checked, field).tolist(), field
+        assert (mine.count, mine.page_bytes, mine.single) == (count, PAGE, False)
+    with pytest.raises(ValueError, match="summing to 16384"):
+        PieceLayout([4096, 4096], PAGE)
+    with pytest.raises(ValueError, match="summing to 16384"):
+        PieceLayout([PAGE + 1, -1], PAGE)
+    with pytest.raises(ValueError, match="7 piece pointers for 2 pages of 4 pieces"):
+        PageBuffers.of_layout(list(range(1, 8)), layout, 2)

@@ -113,3 +113,41 @@ def test_mha_pieces_are_computed_as_the_pool_gives_them(tmp_path, gen, layout):
         for a, b in zip(page_starts(indices)[start : start + 3], page_starts(dst)):
             assert page_tensor_bytes(pool, b) == page_tensor_bytes(pool, a)
     backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("pages", [2, 20], ids=["few-pieces", "many-pieces"])
+def test_computed_pieces_are_checked_per_page_against_the_pool(tmp_path, gen, layout, pages):
+    """Computed MHA pieces are described without a check per piece: a page is inside the pool
+    when its first index is at least 0 and its last below pool.size. The pool's last pages are
+    accepted (and equal the pool's own pieces, lengths, offsets and page bounds included, and
+    round-trip); a page that starts one index too late, or before 0, is refused, alone or among
+    good pages, and such a batch is a miss."""
+    import numpy as np
+    import torch
+
+    from kvtier.tiers.remote.buffers import PageBuffers
+
+    pool = make_host_pool("mha", layout, layers=4, heads=2, head_dim=64)
+    backend = make_backend(storage_config(tmp_path), pool)
+    lane = backend._all_lanes()[0]
+    assert lane._layout is not None
+    last = torch.arange(pool.size - pages * PAGE, pool.size, dtype=torch.int64)  # the last pages
+    table = lane.page_table(last, pages)
+    ptrs, sizes = pool.get_page_buffer_meta(last)
+    reference = PageBuffers.from_arrays(np.asarray(ptrs, dtype=np.uint64), np.asarray(sizes, dtype=np.uint64), pages, lane.page_bytes)
+    for field in ("ptrs", "lens", "offsets", "first"):
+        assert getattr(table, field).tolist() == getattr(reference, field).tolist(), field
+    assert (table.count, table.page_bytes, table.single) == (reference.count, reference.page_bytes, reference.single)
+    fill_pages(pool, last, gen)
+    keys = keys_for(f"last-{layout}-{pages}", pages)
+    assert backend.batch_set_v1(keys, last) == [True] * pages
+    saved = [page_tensor_bytes(pool, a) for a in page_starts(last)]
+    poison_pages(pool, last)
+    assert backend.batch_get_v1(keys, last) == [True] * pages
+    assert [page_tensor_bytes(pool, a) for a in page_starts(last)] == saved
+    for bad in (last + 1, last - last[0] - 1, torch.cat([last[PAGE:], torch.arange(pool.size, pool.size + PAGE)])):
+        with pytest.raises(ValueError, match="lies outside the host pool's memory"):
+            lane.page_table(bad, pages)
+        assert backend.batch_get_v1(keys, bad) == [False] * pages
+    backend.close()

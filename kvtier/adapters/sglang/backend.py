@@ -66,7 +66,7 @@ from kvtier.adapters.sglang.settings import BackendSettings
 from kvtier.index.keys import key_ids
 from kvtier.tiers.cluster import open_cluster
 from kvtier.tiers.remote import RemoteStore
-from kvtier.tiers.remote.buffers import PageBuffers
+from kvtier.tiers.remote.buffers import PageBuffers, PieceLayout
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class _Lane:
         self._ends = np.array([b[1] for b in bounds], dtype=np.int64)
         self._regions = bounds
         self._layout = self._mha_layout() if store is not None else None
+        self._piece_layout = PieceLayout(piece_sizes, self.page_bytes) if self._layout is not None else None
 
     def _mha_layout(self) -> Optional[tuple[int, int, int, int]]:
         """(kv_buffer address, bytes per token row, bytes per layer, V offset) where the pool
@@ -164,6 +165,14 @@ class _Lane:
         except Exception:  # an attribute missing, another pool class: ask the pool
             return None
         if list(ptrs) != mine.tolist() or list(sizes) != my_sizes.tolist():
+            return None
+        # the check of ``_computed_inside`` holds only if the pool's last page lies inside its
+        # memory too
+        last = torch.arange(pool.size - self.indices_per_page, pool.size, dtype=torch.int64)
+        ends, end_sizes = self._computed(found, layout, last, 1)
+        if not all(
+            any(s <= p and p + n <= e for s, e in self._regions) for p, n in zip(ends.tolist(), end_sizes.tolist())
+        ):
             return None
         return found
 
@@ -217,6 +226,8 @@ class _Lane:
         Raises ValueError when the indices or the pool's answer do not describe ``pages`` pages
         of this lane's pieces inside the pool's memory: a pointer outside it would let NIXL read
         or write memory that is not a page."""
+        if self._layout is not None:  # pieces computed from the indices: checked per page
+            return PageBuffers.of_layout(self._computed_inside(host_indices, pages), self._piece_layout, pages)
         ptrs, sizes = self._pieces(host_indices, pages)
         if len(ptrs) <= _FEW_PIECES:  # plain Python: array setup costs more than the pieces
             per_page = len(self.piece_sizes)
@@ -228,12 +239,39 @@ class _Lane:
             np.asarray(ptrs, dtype=np.uint64), np.asarray(sizes, dtype=np.uint64), pages, self.page_bytes
         )
 
-    def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple:
+    def _computed_inside(self, host_indices: torch.Tensor, pages: int):
+        """The computed pieces' pointers (a list, or an array for many pieces), once every page
+        of ``host_indices`` is found inside the pool: a page starting at index ``f`` has its
+        pieces inside ``kv_buffer`` exactly when ``0 <= f`` and ``f + indices_per_page <=
+        pool.size`` (pieces are ``f`` rows into each layer's K and V planes), so the check
+        costs a minimum and a maximum per batch, not a comparison per piece."""
+        self._check_count(host_indices, pages)
+        per_page = self.indices_per_page
+        if pages * len(self.piece_sizes) > _COMPUTED_IN_ARRAYS:
+            ptrs, _ = self._computed(self._layout, self.pool.layout, host_indices, pages)
+            firsts = host_indices[::per_page]
+            lo, hi = int(firsts.min()), int(firsts.max())
+        else:
+            ptrs, _ = self._computed_few(self._layout, host_indices, pages)
+            firsts = host_indices[::per_page].tolist()
+            lo, hi = min(firsts), max(firsts)
+        if lo < 0 or hi + per_page > self.pool.size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{self.name}: a page at host index {bad} lies outside the host pool's memory "
+                f"(indices 0 to {self.pool.size - 1}, {per_page} per page)"
+            )
+        return ptrs
+
+    def _check_count(self, host_indices: torch.Tensor, pages: int) -> None:
         if host_indices.numel() != pages * self.indices_per_page:
             raise ValueError(
                 f"{self.name}: {host_indices.numel()} host indices for {pages} pages; expected "
                 f"{pages * self.indices_per_page} ({self.indices_per_page} per page)"
             )
+
+    def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple:
+        self._check_count(host_indices, pages)
         if self._layout is not None:
             if pages * len(self.piece_sizes) > _COMPUTED_IN_ARRAYS:
                 ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)

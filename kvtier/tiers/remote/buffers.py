@@ -60,6 +60,22 @@ _MAX_WINDOW_SPAN = 1 << 44
 _MAX_WINDOW_PIECE = 32 << 10
 
 
+class PieceLayout:
+    """The pieces every page of one pool has: their lengths (positive, summing to
+    ``page_bytes``), checked once, for ``PageBuffers.of_layout``."""
+
+    __slots__ = ("lens", "offsets", "page_bytes")
+
+    def __init__(self, lengths: Sequence[int], page_bytes: int):
+        given = [int(n) for n in lengths]
+        if not given or min(given) <= 0 or sum(given) != page_bytes:
+            raise ValueError(f"piece lengths {given}; expected positive lengths summing to {page_bytes}")
+        lens = np.array(given, dtype=np.uint64)
+        self.lens = lens
+        self.offsets = np.cumsum(lens) - lens
+        self.page_bytes = page_bytes
+
+
 class PageBuffers:
     """The pieces of a batch of pages, flattened: page ``i`` owns pieces
     ``first[i] .. first[i + 1]``; ``offsets`` are where each piece starts inside its page."""
@@ -137,6 +153,27 @@ class PageBuffers:
         self.single = per_page == 1
         within = np.cumsum(lens.reshape(count, per_page), axis=1) - lens.reshape(count, per_page)
         self.offsets = within.reshape(-1).astype(np.uint64)
+        return self
+
+    @classmethod
+    def of_layout(cls, ptrs: Sequence[int], layout: "PieceLayout", count: int) -> "PageBuffers":
+        """``count`` pages that all have ``layout``'s pieces, at ``ptrs`` (page 0's pieces, then
+        page 1's, ...): the lengths, offsets and page bounds come from the layout, checked once
+        when it was made, so a batch costs two array constructions whatever its piece count.
+        The caller vouches for the pointers (computed inside memory it owns)."""
+        per_page = len(layout.lens)
+        if count <= 0 or len(ptrs) != count * per_page:
+            raise ValueError(f"{len(ptrs)} piece pointers for {count} pages of {per_page} pieces")
+        self = cls.__new__(cls)
+        self.count = count
+        self.page_bytes = layout.page_bytes
+        self.ptrs = np.array(ptrs, dtype=np.uint64)
+        if count == 1:
+            self.lens, self.offsets = layout.lens, layout.offsets
+        else:
+            self.lens, self.offsets = np.tile(layout.lens, count), np.tile(layout.offsets, count)
+        self.first = np.arange(0, count * per_page + 1, per_page, dtype=np.int64)
+        self.single = per_page == 1
         return self
 
     def take(self, pages: Sequence[int]) -> "PageBuffers":
