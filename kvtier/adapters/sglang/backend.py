@@ -194,16 +194,19 @@ class _Lane:
     def _computed(self, found: tuple, layout: str, host_indices: torch.Tensor, pages: int):
         """(pointers, sizes) of the pieces of ``pages`` pages, as ``get_page_buffer_meta``
         orders them (per page: K then V of each layer, or K then V)."""
-        base, row, per_layer, v_offset = found
         first = host_indices.reshape(pages, self.indices_per_page)[:, 0].cpu().numpy().astype(np.int64)
+        sizes = np.tile(np.asarray(self.piece_sizes, dtype=np.int64), pages)
+        return self._computed_ptrs(found, layout, first), sizes
+
+    def _computed_ptrs(self, found: tuple, layout: str, first: np.ndarray) -> np.ndarray:
+        """The pieces' pointers of the pages whose first host indices are ``first``."""
+        base, row, per_layer, v_offset = found
         if layout == "layer_first":
             layers = len(self.piece_sizes) // 2
             k = (base + first * row)[:, None] + np.arange(layers, dtype=np.int64)[None, :] * per_layer
         else:
             k = (base + first * row * self.pool.layer_num)[:, None]
-        ptrs = np.stack([k, k + v_offset], axis=2).reshape(-1)
-        sizes = np.tile(np.asarray(self.piece_sizes, dtype=np.int64), pages)
-        return ptrs, sizes
+        return np.stack([k, k + v_offset], axis=2).reshape(-1)
 
     @property
     def logical(self) -> bool:
@@ -248,9 +251,9 @@ class _Lane:
         self._check_count(host_indices, pages)
         per_page = self.indices_per_page
         if pages * len(self.piece_sizes) > _COMPUTED_IN_ARRAYS:
-            ptrs, _ = self._computed(self._layout, self.pool.layout, host_indices, pages)
-            firsts = host_indices[::per_page]
-            lo, hi = int(firsts.min()), int(firsts.max())
+            first = host_indices[::per_page].cpu().numpy().astype(np.int64)
+            ptrs = self._computed_ptrs(self._layout, self.pool.layout, first)
+            lo, hi = int(first.min()), int(first.max())
         else:
             ptrs, _ = self._computed_few(self._layout, host_indices, pages)
             firsts = host_indices[::per_page].tolist()

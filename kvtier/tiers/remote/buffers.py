@@ -60,11 +60,15 @@ _MAX_WINDOW_SPAN = 1 << 44
 _MAX_WINDOW_PIECE = 32 << 10
 
 
+# Batch sizes whose tiled piece lengths and offsets a PieceLayout keeps.
+_TILED_SIZES = 64
+
+
 class PieceLayout:
     """The pieces every page of one pool has: their lengths (positive, summing to
     ``page_bytes``), checked once, for ``PageBuffers.of_layout``."""
 
-    __slots__ = ("lens", "offsets", "page_bytes")
+    __slots__ = ("lens", "offsets", "page_bytes", "_tiled")
 
     def __init__(self, lengths: Sequence[int], page_bytes: int):
         given = [int(n) for n in lengths]
@@ -74,6 +78,19 @@ class PieceLayout:
         self.lens = lens
         self.offsets = np.cumsum(lens) - lens
         self.page_bytes = page_bytes
+        self._tiled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def tiled(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, offsets) of ``count`` pages, shared read-only arrays kept per batch size
+        (a few sizes recur: an engine's batches)."""
+        found = self._tiled.get(count)
+        if found is None:
+            lens, offsets = np.tile(self.lens, count), np.tile(self.offsets, count)
+            lens.flags.writeable = offsets.flags.writeable = False
+            found = (lens, offsets)
+            if len(self._tiled) < _TILED_SIZES:
+                self._tiled[count] = found
+        return found
 
 
 class PageBuffers:
@@ -168,10 +185,7 @@ class PageBuffers:
         self.count = count
         self.page_bytes = layout.page_bytes
         self.ptrs = np.array(ptrs, dtype=np.uint64)
-        if count == 1:
-            self.lens, self.offsets = layout.lens, layout.offsets
-        else:
-            self.lens, self.offsets = np.tile(layout.lens, count), np.tile(layout.offsets, count)
+        self.lens, self.offsets = layout.tiled(count)
         self.first = np.arange(0, count * per_page + 1, per_page, dtype=np.int64)
         self.single = per_page == 1
         return self
