@@ -215,3 +215,57 @@ def test_a_page_of_more_pieces_than_one_system_call_takes_round_trips_through_th
         assert torch.equal(torch.cat(into), source)
         assert all(bool((dest[(2 * i + 1) * size : (2 * i + 2) * size] == 0xA5).all()) for i in range(count))
     assert store.stats()["small_batch_writes"] == 1 and store.stats()["small_batch_reads"] == 2
+
+
+@pytest.mark.parametrize("offset", [0, 64])  # into the pieces, or through this thread's block
+def test_a_cold_small_read_asks_for_its_header_before_reading_the_payload(open_store, monkeypatch, offset):
+    """A record read from the device has its header's block asked for (WILLNEED, no wait)
+    before the payload's O_DIRECT read, and read after it, so the two device reads overlap;
+    the page still verifies and round-trips, and a warm read asks for nothing."""
+    from kvtier.tiers.remote import small_batches
+    from test_remote_direct_io import drop_cache
+    from test_remote_store import record_offsets
+
+    store = open_store()
+    _region, pages = aligned_pages(2, offset)
+    fill_random(pages[:1], seed=53)
+    assert store.put(["cold"], pages[:1]) == [True]
+    path, header_off, payload_off = record_offsets(store, "cold")
+    events: list[tuple] = []
+    real = os.posix_fadvise, os.preadv, os.pread
+
+    class Spy:  # the module's os, with its reads and advice recorded
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def posix_fadvise(fd, offset, length, advice):
+            events.append(("advise", offset, advice))
+            return real[0](fd, offset, length, advice)
+
+        @staticmethod
+        def preadv(fd, buffers, offset, *args):
+            events.append(("preadv", offset))
+            return real[1](fd, buffers, offset, *args)
+
+        @staticmethod
+        def pread(fd, length, offset):
+            events.append(("pread", offset))
+            return real[2](fd, length, offset)
+
+    monkeypatch.setattr(small_batches, "os", Spy())
+    drop_cache(path)
+    poison(pages[1:])
+    assert store.get(["cold"], pages[1:]) == [True]
+    assert torch.equal(pages[0], pages[1])
+    assert events == [
+        ("advise", header_off, os.POSIX_FADV_WILLNEED), ("preadv", payload_off), ("pread", header_off),
+    ]
+    fill_random(pages[:1], seed=59)
+    assert store.put(["warm"], pages[:1]) == [True]  # a small put leaves its page in the cache
+    _, warm_header, warm_payload = record_offsets(store, "warm")
+    events.clear()
+    poison(pages[1:])
+    assert store.get(["warm"], pages[1:]) == [True]
+    assert torch.equal(pages[0], pages[1])
+    assert events == [("pread", warm_header), ("preadv", warm_payload)]  # from the cache, no advice
