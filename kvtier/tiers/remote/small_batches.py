@@ -12,7 +12,10 @@ file, all in one call: the records are durable when it returns, so the store pub
 without a second sync. The payload goes through the page cache on purpose: on the 2-vCPU VM a
 16 KiB ``pwritev`` + ``fdatasync`` cost the same CPU buffered as with ``O_DIRECT`` (the sync
 writes the header's page anyway), and the page stays cached for the reads that often follow a
-small write. Bulk writes (NIXL, ``O_DIRECT``) keep large batches out of the page cache. The
+small write. Pages of ``SMALL_DIRECT_WRITE_BYTES`` and more whose pieces are 4 KiB aligned are
+written with ``O_DIRECT`` instead: copying 2 MiB into the cache and writing it back cost 697 µs
+of CPU against 199 direct (into a fresh slot; 268 against 130 over an old one). Bulk writes
+(NIXL, ``O_DIRECT``) keep large batches out of the page cache. The
 write and the sync run on the caller's thread: a stuck disk holds them as it holds a NIXL
 write's poll or ``fdatasync``, and the pool runs every put on a thread of its own that it
 abandons after the store's timeout (``pool/remote_link.py``).
@@ -59,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 # Batches of at most this many pages are read with system calls (see the module docstring).
 SMALL_BATCH_PAGES = 4
+# Small writes of pages from this size on, whose pieces are 4 KiB aligned, go O_DIRECT.
+SMALL_DIRECT_WRITE_BYTES = 256 << 10
 
 
 class _CacheRange(ctypes.Structure):
@@ -251,12 +256,12 @@ class SmallWrites:
         of that file is reported."""
         written: list[tuple[int, int]] = []
         crcs: dict[int, int] = {}
-        devs = located.devs
+        devs, direct_devs = located.devs, located.direct_devs
         for page in writable:
             fd = int(devs[page])
             try:
                 crcs[page] = self._write_one(
-                    ids[page], tokens[page], fd, int(located.header_offs[page]),
+                    ids[page], tokens[page], fd, int(direct_devs[page]), int(located.header_offs[page]),
                     int(located.payload_offs[page]), pages, page,
                 )
             except OSError as exc:
@@ -276,7 +281,7 @@ class SmallWrites:
         return moved, {page: crcs[page] for page in moved}
 
     def _write_one(
-        self, key: bytes, token: int, fd: int, header_off: int, payload_off: int,
+        self, key: bytes, token: int, fd: int, direct_fd: int, header_off: int, payload_off: int,
         pages: PageBuffers, page: int,
     ) -> int:
         ptrs, lens = _pieces(pages, page)
@@ -286,8 +291,16 @@ class SmallWrites:
             address, payload = self._block()
             pages.gather(page, address)
             views = [payload]
+            ptrs, lens = [address], [self.page_bytes]
         crc, header = self._codec.seal(key, self.page_bytes, token, views)
-        got = os.pwritev(fd, views, payload_off)  # through the page cache: see the module docstring
+        # Through the page cache (see the module docstring), except large pages that can go
+        # O_DIRECT: copying them into the cache and writing them back costs more than the
+        # direct write (2 MiB into a fresh slot on the VM: 697 µs of CPU buffered, 199 direct).
+        direct = (
+            direct_fd != fd and self.page_bytes >= SMALL_DIRECT_WRITE_BYTES
+            and not any((p | n) & (SLOT_ALIGN - 1) for p, n in zip(ptrs, lens))
+        )
+        got = os.pwritev(direct_fd if direct else fd, views, payload_off)
         if got < self.page_bytes:
             raise OSError(errno.EIO, f"record payload written short at {got} of {self.page_bytes} bytes")
         if os.pwrite(fd, header, header_off) != HEADER_BYTES:
