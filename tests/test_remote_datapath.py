@@ -266,3 +266,36 @@ def test_pages_of_one_piece_layout_match_the_checked_constructor():
         PieceLayout([PAGE + 1, -1], PAGE)
     with pytest.raises(ValueError, match="7 piece pointers for 2 pages of 4 pieces"):
         PageBuffers.of_layout(list(range(1, 8)), layout, 2)
+
+
+def test_header_read_ahead_covers_runs_of_headers_not_the_gaps_between_them(tmp_path, monkeypatch):
+    """A get asks the kernel for its headers ahead in runs: neighbouring headers of one file in
+    one call, a header far from the others (and one in another file) in a call of its own, so a
+    scattered batch never reads the header table between its pages."""
+    import os
+
+    from kvtier.tiers.remote import segments
+    from kvtier.tiers.remote.segments import Located, SegmentFiles
+
+    first = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o600)
+    second = os.open(tmp_path / "b", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        calls = []
+        real = os.posix_fadvise
+        monkeypatch.setattr(segments.os, "posix_fadvise", lambda fd, offset, length, advice: (
+            calls.append((fd, offset, length, advice)), real(fd, offset, length, advice))[1])
+        far = 4224 + segments._AHEAD_GAP + 64  # past the gap after the last of the first run
+        devs = np.array([first, second, first, first, first], dtype=np.int64)
+        headers = np.array([4160, 8192, far, 4096, 4224], dtype=np.int64)
+        located = Located(devs, devs, headers, np.zeros(5, dtype=np.int64), {})
+        SegmentFiles.read_ahead_headers(None, located, [0, 1, 2, 3, 4])
+        willneed = os.POSIX_FADV_WILLNEED
+        assert sorted(calls) == sorted([
+            (first, 4096, 3 * 64, willneed), (first, far, 64, willneed), (second, 8192, 64, willneed),
+        ])
+        calls.clear()
+        SegmentFiles.read_ahead_headers(None, located, [])
+        assert calls == []
+    finally:
+        os.close(first)
+        os.close(second)

@@ -27,8 +27,8 @@ Requests in flight: buffered requests run one at a time (Linux AIO copies buffer
 writes inside the call that posts them). ``O_DIRECT`` requests queue only their own reads at
 the device, so up to ``DIRECT_REQUESTS_IN_FLIGHT`` are posted before the oldest is waited
 for; a request's pages are checked while the later ones move, and a large get is spread over
-that many requests so that only the last one's pages are checked after the last byte arrived. Every posted request is waited
-for before a call returns, errors included.
+that many requests so that only the last one's pages are checked after the last byte arrived.
+Every posted request is waited for before a call returns, errors included.
 """
 
 from __future__ import annotations
