@@ -159,7 +159,7 @@ def _spy_posts(store, monkeypatch) -> list[tuple[str, np.ndarray, np.ndarray]]:
     return posts
 
 
-def test_pages_of_small_aligned_pieces_move_as_one_direct_read(open_store, monkeypatch, tmp_path):
+def test_pages_of_small_aligned_pieces_move_as_one_direct_read(open_store, monkeypatch):
     """Pages of 4 KiB pieces laid out layer by layer (piece k of page i at (k * count + i) *
     4 KiB), all aligned: they move as whole records through staging, and the records of
     neighbouring slots as one O_DIRECT read and write, not one per piece. Bytes round-trip
@@ -191,7 +191,7 @@ def test_pages_of_small_aligned_pieces_move_as_one_direct_read(open_store, monke
     assert store.put_ids(ids, table(src, list(range(count)))) == [True] * count
     writes = [(local, remote) for op, local, remote in posts if op == "WRITE"]
     assert len(writes) == 1
-    local, remote = writes[0]
+    _local, remote = writes[0]
     payload = remote[:, 1] % np.uint64(4096) == 0
     assert remote[payload, 1].tolist() == [count * PAGE]  # one write of 32 records, not 128 pieces
     path, _, first = record_offsets(store, "small-pieces-0")
@@ -203,7 +203,7 @@ def test_pages_of_small_aligned_pieces_move_as_one_direct_read(open_store, monke
     assert found == [True] * count
     reads = [(local, remote) for op, local, remote in posts if op == "READ"]
     assert len(reads) == 1
-    local, remote = reads[0]
+    _local, remote = reads[0]
     payload = remote[:, 1] % np.uint64(4096) == 0
     assert remote[payload, 1].tolist() == [count * PAGE]  # one read
     assert resident_bytes(path, first, count * PAGE) == 0  # with O_DIRECT

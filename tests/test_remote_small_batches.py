@@ -272,7 +272,7 @@ def test_a_cold_small_read_asks_for_its_header_before_reading_the_payload(open_s
 
 
 @pytest.mark.parametrize("offset", [0, 64], ids=["aligned-direct", "unaligned-buffered"])
-def test_a_small_put_of_a_large_page_goes_direct_where_its_pieces_are_aligned(open_store, tmp_path, offset):
+def test_a_small_put_of_a_large_page_goes_direct_where_its_pieces_are_aligned(open_store, offset):
     """Small puts of pages from SMALL_DIRECT_WRITE_BYTES on write their payload with O_DIRECT
     when every piece is 4 KiB aligned (nothing of it left in the page cache) and through the
     page cache otherwise; either way the record is durable, verified and reads back exactly,
