@@ -178,8 +178,12 @@ class _Lane:
 
     def _computed_few(self, found: tuple, host_indices: torch.Tensor, pages: int) -> tuple[list, list]:
         """``_computed`` as Python lists, for a few pieces (array setup costs more)."""
-        base, row, per_layer, v_offset = found
         firsts = host_indices[:: self.indices_per_page].tolist()
+        return self._computed_few_ptrs(found, firsts), list(self.piece_sizes) * pages
+
+    def _computed_few_ptrs(self, found: tuple, firsts: list[int]) -> list[int]:
+        """``_computed_ptrs`` as a Python list, for the pages whose first indices are ``firsts``."""
+        base, row, per_layer, v_offset = found
         if self.pool.layout == "layer_first":
             layers = range(len(self.piece_sizes) // 2)
             ptrs = [
@@ -189,7 +193,7 @@ class _Lane:
         else:
             scale = row * self.pool.layer_num
             ptrs = [p for first in firsts for k in (base + first * scale,) for p in (k, k + v_offset)]
-        return ptrs, list(self.piece_sizes) * pages
+        return ptrs
 
     def _computed(self, found: tuple, layout: str, host_indices: torch.Tensor, pages: int):
         """(pointers, sizes) of the pieces of ``pages`` pages, as ``get_page_buffer_meta``
@@ -255,8 +259,8 @@ class _Lane:
             ptrs = self._computed_ptrs(self._layout, self.pool.layout, first)
             lo, hi = int(first.min()), int(first.max())
         else:
-            ptrs, _ = self._computed_few(self._layout, host_indices, pages)
             firsts = host_indices[::per_page].tolist()
+            ptrs = self._computed_few_ptrs(self._layout, firsts)
             lo, hi = min(firsts), max(firsts)
         if lo < 0 or hi + per_page > self.pool.size:
             bad = lo if lo < 0 else hi
@@ -274,21 +278,17 @@ class _Lane:
             )
 
     def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple:
+        if self._layout is not None:  # computed pieces are checked per page
+            return self._computed_inside(host_indices, pages), list(self.piece_sizes) * pages
         self._check_count(host_indices, pages)
-        if self._layout is not None:
-            if pages * len(self.piece_sizes) > _COMPUTED_IN_ARRAYS:
-                ptrs, sizes = self._computed(self._layout, self.pool.layout, host_indices, pages)
-            else:
-                ptrs, sizes = self._computed_few(self._layout, host_indices, pages)
-        else:
-            ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-            per_page = len(self.piece_sizes)
-            if len(ptrs) != pages * per_page or list(sizes) != list(self.piece_sizes) * pages:
-                raise ValueError(
-                    f"{self.name}: get_page_buffer_meta gave {len(ptrs)} pieces of sizes "
-                    f"{sorted(set(sizes))} for {pages} pages; expected {per_page} pieces per page of "
-                    f"sizes {list(self.piece_sizes)}"
-                )
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        per_page = len(self.piece_sizes)
+        if len(ptrs) != pages * per_page or list(sizes) != list(self.piece_sizes) * pages:
+            raise ValueError(
+                f"{self.name}: get_page_buffer_meta gave {len(ptrs)} pieces of sizes "
+                f"{sorted(set(sizes))} for {pages} pages; expected {per_page} pieces per page of "
+                f"sizes {list(self.piece_sizes)}"
+            )
         if len(ptrs) <= _FEW_PIECES:
             regions = self._regions
             outside = [
