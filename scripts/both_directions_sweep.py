@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -108,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed reps per point (default %(default)s)")
     parser.add_argument("--budget-s", type=float, default=170.0, help="stop starting new variants after this (default %(default)s)")
     parser.add_argument("--variants", default="", help="only kernel variants with these names (comma separated)")
+    parser.add_argument("--rows", default="", help="only rows whose label matches this regular expression")
     parser.add_argument("--quick", action="store_true", help="fewer variants and reps (a smoke run)")
     parser.add_argument("--no-gate", action="store_true", help="do not hold the streams until everything is enqueued")
     parser.add_argument("--seed", type=int, default=25)
@@ -161,6 +163,7 @@ class Sweep:
         self.functions: dict[tuple[str, str], int] = {}
         self.occupancy: dict[tuple[str, str], int] = {}
         self.runtime = None
+        self.batch = None  # kvtier driver.BatchMemcpy, made at the first ctypes variant
         self.ce_attributes: dict[bool, object] = {}
         self.layout = None
 
@@ -313,8 +316,10 @@ class Sweep:
                 "occ": sms * max(1, self.occupancy.get((variant, name), 1)), "all": total}
         return max(1, min(total, caps[blocks]))
 
-    def ce_call(self, lane_index: int, op: str, batch: int | None, flag: str = "auto"):
-        """A callable that copies every piece of `op` with cudaMemcpyBatchAsync (batches of `batch` pieces; None: one call)."""
+    def ce_call(self, lane_index: int, op: str, batch: int | None, flag: str = "auto", via: str = "bindings"):
+        """A callable that copies every piece of `op` with cudaMemcpyBatchAsync (batches of `batch` pieces; None: one call),
+        through cuda.bindings' runtime wrapper over lists (via="bindings") or libcuda through ctypes over numpy
+        arrays (via="ctypes", kvtier's driver.BatchMemcpy)."""
         np, lay = self.np, self.layout
         if self.runtime is None:
             from kvtier.transfer.cuda.copy_engine_path import batch_memcpy_runtime
@@ -340,9 +345,28 @@ class Sweep:
                 src, dst = dev_addr(src_slots), host_addr(dst_slots)
             else:
                 src, dst = host_addr(src_slots), dev_addr(dst_slots)
-            lay["ce"][key] = (dst.tolist(), src.tolist(), [piece] * int(src.size))
-        dst, src, sizes = lay["ce"][key]
+            lay["ce"][key] = (dst.astype(np.uint64), src.astype(np.uint64), np.full(src.size, piece, dtype=np.uint64))
         overlap = lay["piece"] <= 128 * KIB if flag == "auto" else flag == "overlap"
+        stream = self.streams[lane_index]
+        if via == "ctypes":
+            if self.batch is None:
+                from kvtier.transfer.cuda.driver import Driver
+
+                self.batch = Driver(self.torch.device("cuda")).batch_memcpy
+                if self.batch is None:
+                    raise RuntimeError("libcuda has no cuMemcpyBatchAsync reachable through ctypes")
+            arrays = lay["ce"][key]
+            step = arrays[0].size if batch is None else batch
+            chunks = [tuple(a[i:i + step] for a in arrays) for i in range(0, arrays[0].size, step)]
+            submit = self.batch
+
+            def call_ctypes():
+                handle = stream.cuda_stream
+                for d, s, z in chunks:
+                    submit(handle, d, s, z, overlap)
+
+            return call_ctypes
+        dst, src, sizes = (a.tolist() for a in lay["ce"][key])
         attributes = self.ce_attributes.get(overlap)
         if attributes is None:
             attributes = runtime.cudaMemcpyAttributes()
@@ -352,7 +376,6 @@ class Sweep:
             self.ce_attributes[overlap] = attributes
         step = len(src) if batch is None else batch
         parts = [(dst[i:i + step], src[i:i + step], sizes[i:i + step]) for i in range(0, len(src), step)]
-        stream = self.streams[lane_index]
 
         def call():
             handle = stream.cuda_stream
@@ -514,21 +537,28 @@ def main(argv=None) -> int:
         rows.append(("k:cur nosig@sm", "sym", {"offload": spec, "reload": spec}))
         for batch in ((None, 1024, 128) if not args.quick else (None,)):
             for flag in (("auto", "default") if batch is None else ("auto",)):
-                spec = ("ce", batch, flag)
+                spec = ("ce", batch, flag, "bindings")
                 rows.append((f"ce:batch={batch or 'all'} flag={flag}", "sym", {"offload": spec, "reload": spec}))
+        for batch in (None, 4096, 1024):
+            for flag in (("auto", "default") if batch is None else ("auto",)):
+                spec = ("ce", batch, flag, "ctypes")
+                rows.append((f"ce-ctypes:batch={batch or 'all'} flag={flag}", "sym", {"offload": spec, "reload": spec}))
         for blocks in (("sm/2", "sm", "2sm") if not args.quick else ("sm",)):
             rows.append((f"ce off + k:cur rel@{blocks}", "both_only",
-                         {"offload": ("ce", None, "auto"), "reload": ("k", "cur", blocks, 16, True)}))
+                         {"offload": ("ce", None, "auto", "bindings"), "reload": ("k", "cur", blocks, 16, True)}))
             rows.append((f"k:cur off@{blocks} + ce rel", "both_only",
-                         {"offload": ("k", "cur", blocks, 16, True), "reload": ("ce", None, "auto")}))
+                         {"offload": ("k", "cur", blocks, 16, True), "reload": ("ce", None, "auto", "bindings")}))
+        if args.rows:
+            pattern = re.compile(args.rows)
+            rows = [row for row in rows if pattern.search(row[0])]
         return rows
 
     def make(lane: int, op: str, spec: tuple):
         if spec[0] == "k":
             _, variant, blocks, word, signals = spec
             return sweep.kernel_call(lane, op, variant, blocks, word, signals)
-        _, batch, flag = spec
-        return sweep.ce_call(lane, op, batch, flag)
+        _, batch, flag, via = spec
+        return sweep.ce_call(lane, op, batch, flag, via)
 
     lane_of = {"offload": 0, "reload": 1}
     print(f"# {sweep.gpu}, {sweep.sms} SMs, {args.mib} MiB per direction per call, {args.layers} layers x 2 planes, "

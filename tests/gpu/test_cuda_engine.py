@@ -508,6 +508,40 @@ def test_auto_keeps_large_pieces_on_the_copy_engines_in_both_directions_at_once(
     tiers.close()
 
 
+@pytest.mark.skipif(not HAS_BATCH_MEMCPY, reason="needs cudaMemcpyBatchAsync")
+@pytest.mark.parametrize("fmt", [PASSTHROUGH[0], PASSTHROUGH[3], PASSTHROUGH[6]], ids=lambda f: f.describe())
+def test_copy_engines_through_libcuda_and_through_bindings_move_the_same_bytes(fmt: PageFormat) -> None:
+    """The copy-engine path submits through libcuda (ctypes, numpy arrays) where the driver has
+    cuMemcpyBatchAsync, and through cuda.bindings' runtime wrapper otherwise: both land every
+    byte where the CPU twin does, offload and per-layer reload, into poisoned destinations."""
+    tiers = Tiers(fmt, seed=803)
+    twin = TorchEngine(tiers.cpu_dev, tiers.cpu_host)
+    engine = CudaEngine(tiers.dev, tiers.host, path="copy_engine")
+    assert engine.copy_engine.batch is not None, "a CUDA 12.8+ driver exposes cuMemcpyBatchAsync to ctypes"
+    gen = np.random.default_rng(803)
+    for route in ("libcuda", "bindings"):
+        if route == "bindings":
+            engine.copy_engine.batch = None
+        dev_slots = gen.permutation(DEVICE_PAGES)[:20].tolist()
+        host_slots = gen.permutation(HOST_PAGES)[:20].tolist()
+        tiers.poison_host()
+        engine.offload(dev_slots, host_slots).synchronize()
+        twin.offload(dev_slots, host_slots).synchronize()
+        assert engine.last_path == "copy_engine"
+        _assert_bytes_equal(tiers.host.buffer, tiers.cpu_host.buffer, f"host records after a {route} offload")
+        tiers.poison_device()
+        ticket = engine.reload(host_slots[::-1], dev_slots)
+        for layer in range(fmt.num_layers):
+            ticket.wait_layer(layer)
+        ticket.synchronize()
+        twin.reload(host_slots[::-1], dev_slots).synchronize()
+        _assert_bytes_equal(tiers.dev.kv, tiers.cpu_dev.kv, f"device pages after a {route} reload")
+        if tiers.dev.scales is not None:
+            _assert_bytes_equal(tiers.dev.scales, tiers.cpu_dev.scales, f"device scales after a {route} reload")
+    engine.close()
+    tiers.close()
+
+
 def test_auto_path_and_launch_shape() -> None:
     small = Tiers(PASSTHROUGH[0], seed=800)
     engine = CudaEngine(small.dev, small.host)

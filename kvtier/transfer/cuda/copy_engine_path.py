@@ -1,14 +1,16 @@
 """The copy-engine path: cudaMemcpyBatchAsync of every (page, layer, plane) piece, no SM used.
 
-Owns submitting pass-through copies to the GPU's copy engines through cuda.bindings'
-cudaMemcpyBatchAsync on a created stream (it rejects the legacy default stream): one call
-per transfer for offloads and device copies, one per layer for reloads (each followed by
-that layer's event, so layers become ready one by one). Address plans (the per-(layer,
-plane) bases and strides of both sides) are built once per engine and direction; a
-transfer only broadcasts its slots against them and merges pieces adjacent on both sides.
-It never slows the model, but it needs large pieces to reach PCIe speed and costs the host
-about 1-3 us per piece plus one call and one event per layer, which is why the engine takes
-it only for large transfers of large pieces (engine.py, COPY_ENGINE_*).
+Owns submitting pass-through copies to the GPU's copy engines through cuMemcpyBatchAsync
+(libcuda through ctypes over numpy arrays, driver.BatchMemcpy; cuda.bindings' runtime wrapper
+over Python lists where libcuda cannot be opened by name) on a created stream (it rejects the
+legacy default stream): one call per transfer for offloads and device copies, one per layer
+for reloads (each followed by that layer's event, so layers become ready one by one). Address
+plans (the per-(layer, plane) bases and strides of both sides) are built once per engine and
+direction; a transfer only broadcasts its slots against them and merges pieces adjacent on
+both sides. It never slows the model, but it needs large pieces to reach PCIe speed and costs
+the host about 0.9 us per piece in the driver (1.2 through the list wrapper) plus one call and
+one event per layer, which is why the engine takes it only for large transfers of large
+pieces (path_choice.py, COPY_ENGINE_*).
 It must never convert dtypes or choose which pages move.
 """
 
@@ -60,9 +62,12 @@ def batch_memcpy_runtime():
 class CopyEnginePath:
     """Batched copy-engine copies over one engine's tiers (runtime: cuda.bindings.runtime)."""
 
-    def __init__(self, fmt: PageFormat, table: np.ndarray, records: int, runtime) -> None:
+    def __init__(self, fmt: PageFormat, table: np.ndarray, records: int, runtime, batch=None) -> None:
         self.fmt = fmt
         self.runtime = runtime
+        # driver.BatchMemcpy (libcuda through ctypes, numpy address arrays), else cuda.bindings'
+        # runtime wrapper over Python lists.
+        self.batch = batch
         self._plans = {
             direction: plans.piece_plans(fmt, table, records, direction)
             for direction in (("device",) if fmt.converts else plans.DIRECTIONS)
@@ -81,6 +86,9 @@ class CopyEnginePath:
         merged = [plans.merge_runs(*part) for part in expanded]
         dst, src, sizes = (np.concatenate(column) for column in zip(*merged))
         prefer_overlap = int(sizes.max()) <= PREFER_OVERLAP_MAX_COPY
+        if self.batch is not None:
+            self.batch(stream_handle, dst, src, sizes, prefer_overlap)
+            return
         attributes = self._attributes.get(prefer_overlap)
         if attributes is None:
             attributes = runtime.cudaMemcpyAttributes()

@@ -5,8 +5,10 @@ cuStreamWaitEvent, cuEventRecord, cuStreamQuery and event creation, and turning 
 codes into exceptions that name the call and its arguments. These are the calls a transfer
 makes on the host's critical path: the four made per transfer (launch, the two waits, event
 record) go straight to libcuda through ctypes with integer handles, which took 5-40 µs off the
-engine's submit on the H200's host against cuda.bindings' wrappers (BENCHMARKS.md); the rest,
-and every call where libcuda cannot be opened by name, go through cuda.bindings.
+engine's submit on the H200's host against cuda.bindings' wrappers (BENCHMARKS.md); so does
+cuMemcpyBatchAsync, whose address lists pass as numpy arrays (cuda.bindings' runtime wrapper
+converts every element of Python lists, about 0.3 µs a piece); the rest, and every call where
+libcuda cannot be opened by name, go through cuda.bindings.
 A thread that has not touched this device yet has no current CUDA context; the call is then
 retried once inside torch.cuda.device(...), which binds the device's primary context.
 It must never decide what to launch or wait on.
@@ -16,10 +18,83 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 CU_EVENT_DISABLE_TIMING = 0x2
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+CU_MEMCPY_FLAG_DEFAULT = 0x0
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes: the source access order, two CUmemLocation hints (type, id) and flags."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_location_type", ctypes.c_int),
+        ("src_location_id", ctypes.c_int),
+        ("dst_location_type", ctypes.c_int),
+        ("dst_location_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class BatchMemcpy:
+    """cuMemcpyBatchAsync through a ctypes function: (dst, src, size) uint64 arrays, one attribute
+    (stream-ordered source access; PreferOverlapWithCompute or the default flag) for every copy.
+
+    `function` takes the CUDA 13 arguments (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs,
+    stream), or with `fail_index` the CUDA 12.8-12.9 ones (a size_t* failIdx before the stream).
+    `call(what, function, *args)` makes the call and raises on an error code (Driver._direct)."""
+
+    def __init__(self, function, fail_index: bool, call) -> None:
+        self._function = function
+        self._fail_index = fail_index
+        self._call = call
+        self._attributes = {
+            overlap: MemcpyAttributes(
+                src_access_order=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if overlap else CU_MEMCPY_FLAG_DEFAULT,
+            )
+            for overlap in (False, True)
+        }
+        self._attribute_index = (ctypes.c_size_t * 1)(0)
+        self._failed_at = ctypes.c_size_t(0)
+
+    def __call__(self, stream: int, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, prefer_overlap: bool) -> None:
+        """Queue dst[i] <- src[i] (sizes[i] bytes) for every i on `stream`; the arrays are read
+        during the call only."""
+        count = int(dst.size)
+        if not (src.size == sizes.size == count):
+            raise ValueError(f"a batch copy needs as many sources and sizes as destinations, got {count}, {src.size}, {sizes.size}")
+        if count == 0:
+            return
+        dst, src, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, sizes))
+        attributes = ctypes.byref(self._attributes[bool(prefer_overlap)])
+        head = (dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, count, attributes, self._attribute_index, 1)
+        if self._fail_index:
+            head += (ctypes.byref(self._failed_at),)
+        self._call("cuMemcpyBatchAsync", self._function, *head, int(stream), of=f"{count} copies")
+
+
+def batch_memcpy_function(lib):
+    """(function, fail_index) for libcuda's cuMemcpyBatchAsync with its C signature, or None where
+    the driver has none (before CUDA 12.8). CUDA 13 drivers export the new signature as
+    cuMemcpyBatchAsync_v2 and keep cuMemcpyBatchAsync with failIdx for older binaries."""
+    handle, size = ctypes.c_void_p, ctypes.c_size_t
+    # CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count, CUmemcpyAttributes* attrs,
+    # size_t* attrsIdxs, size_t numAttrs[, size_t* failIdx], CUstream
+    head = (handle, handle, handle, size, handle, handle, size)
+    for name, fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+        function = getattr(lib, name, None)
+        if function is None:
+            continue
+        function.argtypes = head + ((handle,) if fail_index else ()) + (handle,)
+        function.restype = ctypes.c_int
+        return function, fail_index
+    return None
 
 
 def available() -> bool:
@@ -49,6 +124,9 @@ class Driver:
             self.wait_value = self._wait_value_direct
             self.wait_event = self._wait_event_direct
             self.record_event = self._record_event_direct
+        found = None if self._lib is None else batch_memcpy_function(self._lib)
+        # cuMemcpyBatchAsync straight from libcuda (None: use cuda.bindings' runtime wrapper).
+        self.batch_memcpy = None if found is None else BatchMemcpy(*found, self._direct)
 
     def _direct(self, what: str, function, *args, of: str | None = None) -> None:
         """A libcuda call through ctypes: 0 is success; a thread without this device's context

@@ -172,7 +172,8 @@ class CudaEngine(TransferEngine):
             if runtime is None:
                 raise RuntimeError("cuda.bindings.runtime lacks cudaMemcpyBatchAsync (cuda-bindings >= 12.8 needed)")
             self._runtime = runtime
-            self._copy_engine = CopyEnginePath(self.fmt, self.table, self.records, runtime)
+            batch = None if self.driver is None else self.driver.batch_memcpy
+            self._copy_engine = CopyEnginePath(self.fmt, self.table, self.records, runtime, batch)
         return self._copy_engine
 
     @property

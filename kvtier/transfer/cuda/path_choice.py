@@ -7,7 +7,7 @@ knows (Abilities, the transfer's counts).
 
 "auto" without traffic the other way: the copy engines where the transfer passes bytes
 through, every piece is at least COPY_ENGINE_MIN_PIECE bytes and their host cost (one call
-and one event per layer on reload, about 1.8 us a piece) is below the bytes' PCIe time;
+and one event per layer on reload, about 1 us a piece) is below the bytes' PCIe time;
 else the kernel; torch where the kernel path cannot run.
 
 "auto" is the same while the opposite direction (offload against reload) is in flight. Putting
@@ -25,12 +25,15 @@ from kvtier.format import PageFormat
 
 PATHS = ("auto", "kernel", "copy_engine", "staged", "torch")
 # Measured on the H200 (BENCHMARKS.md, 2026-12-02): from 128 KiB pieces the copy engines
-# move 55 GB/s against the SM kernel's 52, and the host queues a piece in 1.5-2.8 us
-# through cuda-bindings, about the time the engines take to move it. COPY_ENGINE_CALL_S is
-# the fixed host cost of one batch call plus its event (benchmarks/engine_host_cost.py
-# measures it); PCIE_BYTES_PER_S the contiguous pinned rate.
+# move 55 GB/s against the SM kernel's 52. Queueing a piece costs the host about 0.9 us in
+# libcuda's cuMemcpyBatchAsync (H100 host, 2026-12-06, scripts/both_directions_sweep.py; 1.2 us
+# through cuda.bindings' list wrapper, which the engine no longer uses where libcuda opens by
+# name): below 128 KiB that is more than the bytes' own time once both directions queue from
+# one thread, so the kernel keeps smaller pieces. COPY_ENGINE_CALL_S is the fixed host cost of
+# one batch call plus its event (benchmarks/engine_host_cost.py measures it); PCIE_BYTES_PER_S
+# the contiguous pinned rate.
 COPY_ENGINE_MIN_PIECE = 128 * 1024
-COPY_ENGINE_PIECE_S = 1.8e-6
+COPY_ENGINE_PIECE_S = 1.0e-6
 COPY_ENGINE_CALL_S = 10e-6
 PCIE_BYTES_PER_S = 55e9
 FP8_CONVERT_CAPABILITY = (8, 9)
