@@ -201,3 +201,31 @@ def test_host_hits_loaded_with_split_layers_match_all_resident(model, monkeypatc
         for la, lb in zip(a.logits, b.logits):
             assert torch.isfinite(la).all()
             assert torch.equal(la, lb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host wait on the device is a CUDA notion")
+@pytest.mark.parametrize("scale", ["per_page_head", "per_token_head", "per_tensor"])
+def test_a_decode_step_never_waits_for_the_device(model, scale):
+    """A decode step queues its work and returns: no read-back and no copy from pageable memory
+    (which would wait for everything queued before it, pages still landing from a load
+    included). torch's sync debug mode turns any such wait into an error."""
+    fmt = CONFIG.page_format(PAGE, scale=scale)
+    batch, pages = 3, 4
+    kv = PagedKV(fmt, batch * pages, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    table = torch.randperm(batch * pages, generator=gen, device=DEVICE).view(batch, pages).to(torch.int32)
+    tails = torch.randn((CONFIG.layers, 2, batch, PAGE, CONFIG.kv_heads, CONFIG.head_dim), generator=gen,
+                        device=DEVICE).to(torch.bfloat16)
+    for layer in range(CONFIG.layers):  # every page written once, so attention reads real values
+        kv.write_pages(layer, table.view(-1).long(), tails[layer, 0].repeat(pages, 1, 1, 1), tails[layer, 1].repeat(pages, 1, 1, 1))
+    tokens = torch.randint(CONFIG.vocab, (batch,), generator=gen, device=DEVICE)
+    positions = torch.tensor([pages * PAGE - 3, pages * PAGE - 1, 2 * PAGE], device=DEVICE)
+    expected = model.decode(kv, tokens, positions, table, tails.clone())  # warm: rope tables, kernels compiled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = model.decode(kv, tokens, positions, table, tails.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)  # same inputs, same step

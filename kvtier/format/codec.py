@@ -49,8 +49,11 @@ def expand_scales(scales: torch.Tensor, scale: str, layout: str) -> torch.Tensor
 def compute_scales(x: torch.Tensor, dtype: str, scale: str, layout: str) -> torch.Tensor:
     amax = x.abs().float().amax(dim=_reduce_dims(scale, layout))
     # Divide by a tensor, not a Python float: on CUDA torch turns `t / float` into a multiply
-    # by the fp32 reciprocal, which differs from the exact quotient in the last bit.
-    scales = amax / amax.new_tensor(FP8_MAX[dtype])
+    # by the fp32 reciprocal, which differs from the exact quotient in the last bit. The divisor
+    # is filled on the device (new_full), not copied from the host (new_tensor copies from
+    # pageable memory and so synchronizes the stream: a forward pass writing its pages would
+    # block its host thread until everything queued before, prefetched pages included, landed).
+    scales = amax / amax.new_full((), FP8_MAX[dtype])
     return torch.where(amax > 0, scales, torch.ones_like(scales))
 
 
