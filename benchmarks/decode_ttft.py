@@ -124,7 +124,8 @@ def h2d_rate(nbytes: int, cuda: bool) -> float | None:
 
 
 def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen: torch.Generator, cuda: bool,
-                h2d: float | None, copy_path: str = "auto", layer_ordered_loads: bool = False) -> dict:
+                h2d: float | None, copy_path: str = "auto", layer_ordered_loads: bool = False,
+                profile_dir: Path | None = None, graphs: bool = False) -> dict:
     c, vocab = model.config, model.config.vocab
     per_seq = context // PAGE
     kv, pool = make_pool(model, batch * (per_seq + 1) + 1, batch * (per_seq + 1) + 1, copy_path, layer_ordered_loads)
@@ -154,56 +155,98 @@ def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen:
             sync(cuda)
             return time.perf_counter() - t0
 
+        if graphs:  # the step as a serving engine runs it: replayed from CUDA graphs
+            from kvtier.decode.graphs import DecodeGraphs
+
+            graphed = DecodeGraphs(model, kv, tails, batch, per_seq + 1)
+
+            def run_step(table, wait_layer=None):
+                return graphed.step(tokens, positions, table, wait_layer)
+        else:
+            def run_step(table, wait_layer=None):
+                return model.decode(kv, tokens, positions, table, tails, wait_layer=wait_layer)
+
         held = pool.acquire(flat)
         assert len(held) == len(flat)
         table = table_of(held)
-        model.decode(kv, tokens, positions, table, tails)
+        run_step(table)  # warm (and, with graphs, captured)
         for _ in range(repeats):
-            step["resident"].append(timed(lambda: model.decode(kv, tokens, positions, table, tails)))
-        resident_enqueue = resident_timeline(model, kv, tokens, positions, table, tails) if cuda else None
+            step["resident"].append(timed(lambda: run_step(table)))
+        resident_enqueue = resident_timeline(run_step, table) if cuda else None
         pool.release(held)
         landed: list[list[int]] = []
 
         def prefetched():
             handle = pool.load(flat)
             landed.append(handle.slots)
-            model.decode(kv, tokens, positions, table_of(handle.slots), tails, wait_layer=handle.wait_layer)
+            run_step(table_of(handle.slots), handle.wait_layer)
 
         for _ in range(repeats + 1):
             pool.evict(tier="device", keys=flat)
             step["prefetched"].append(timed(prefetched))
             pool.release(landed.pop())
         step["prefetched"].pop(0)
-        timeline = prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails) if cuda else None
+        timeline = prefetch_timeline(pool, model.config.layers, flat, table_of, run_step) if cuda else None
         if timeline:
             timeline["resident"] = resident_enqueue
+        if profile_dir is not None:
+            profile_steps(profile_dir, f"b{batch}x{context}{'-graphs' if graphs else ''}", pool, flat, landed, prefetched,
+                          lambda: run_step(table), cuda)
         pool.release(new_pages)
     row = {name: statistics.median(v) for name, v in step.items()}
     nbytes = len(flat) * pool.fmt.page_bytes
     bound = nbytes / h2d if h2d else None
     row.update(batch=batch, context=context, bytes=nbytes, pcie_bound=bound, copy_path=copy_path,
-               layer_ordered_loads=layer_ordered_loads,
+               layer_ordered_loads=layer_ordered_loads, graphs=graphs,
                reload_path=getattr(pool.engine, "last_path", pool.engine.name), timeline=timeline,
                prefetched_over_resident=row["prefetched"] / row["resident"],
                prefetched_over_floor=row["prefetched"] / max(row["resident"], bound) if bound else None)
     return row
 
 
-def resident_timeline(model, kv, tokens, positions, table, tails) -> dict:
+def profile_steps(out: Path, name: str, pool, flat, landed: list, prefetched, resident, cuda: bool) -> None:
+    """One resident and one prefetched step under torch.profiler (host ops and CUDA calls):
+    the top host ops by self time printed, the traces written to `out`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for label in ("resident", "prefetched"):
+        held = None
+        if label == "resident":
+            held = pool.acquire(flat)
+        else:
+            pool.evict(tier="device", keys=flat)
+        sync(cuda)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            prefetched() if label == "prefetched" else resident()
+            host_s = time.perf_counter() - t0
+            sync(cuda)
+        print(f"    profile {name} {label}: host {host_s * 1e3:.2f} ms", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        prof.export_chrome_trace(str(out / f"decode_{name}_{label}.json"))
+        if held is not None:
+            pool.release(held)
+        if label == "prefetched":
+            pool.release(landed.pop())
+
+
+def resident_timeline(run_step, table) -> dict:
     """One more resident step (untimed above): ms from its start to when the host had queued it
     (decode returned) and to its end on the device. Queued close to the end: the host bounds the step."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     start.record()
-    model.decode(kv, tokens, positions, table, tails)
+    run_step(table)
     end.record()
     enqueued_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     return {"step_enqueued_ms": enqueued_s * 1e3, "step_end_ms": start.elapsed_time(end)}
 
 
-def prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails) -> dict:
+def prefetch_timeline(pool, layers: int, flat, table_of, run_step) -> dict:
     """One more prefetched step (untimed above), with events: ms from the step's start on the
     compute stream to when the host's `load` call returned (host clock), to when each layer's
     pages had landed (a side stream waiting on that layer alone), to when each layer's attention
@@ -213,8 +256,8 @@ def prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails)
     torch.cuda.synchronize()
     new_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     start, end = new_event(), new_event()
-    landed = [new_event() for _ in range(model.config.layers)]
-    attention = [new_event() for _ in range(model.config.layers)]
+    landed = [new_event() for _ in range(layers)]
+    attention = [new_event() for _ in range(layers)]
     t0 = time.perf_counter()
     start.record()
     handle = pool.load(flat)
@@ -229,7 +272,7 @@ def prefetch_timeline(pool, model, kv, flat, tokens, positions, table_of, tails)
         handle.wait_layer(layer)
         attention[layer].record()
 
-    model.decode(kv, tokens, positions, table_of(handle.slots), tails, wait_layer=wait_layer)
+    run_step(table_of(handle.slots), wait_layer)
     end.record()
     enqueued_s = time.perf_counter() - t0
     torch.cuda.synchronize()
@@ -249,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--copy-path", default="auto", help="the pool's copy path: auto, kernel, copy_engine, torch")
     ap.add_argument("--decode-only", action="store_true", help="skip the TTFT rows")
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode steps replayed from CUDA graphs (kvtier.decode.graphs), as serving engines run them")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="profile one resident and one prefetched step of the last decode shape; traces into DIR")
     ap.add_argument("--layer-ordered-loads", action="store_true",
                     help="the pool's layer_ordered_loads: every chunk's first layer first, then the others")
     args = ap.parse_args(argv)
@@ -278,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
               f"resident {r['resident'] * 1e3:.1f} ms", flush=True)
     decode_rows = []
     for batch, context in shapes:
+        last = (batch, context) == shapes[-1]
         decode_rows.append(decode_step(model, batch, context, repeats, gen, cuda, h2d, args.copy_path,
-                                       args.layer_ordered_loads))
+                                       args.layer_ordered_loads, args.profile if last else None, args.graphs))
         r = decode_rows[-1]
-        print(f"  decode batch {batch} context {context}: resident {r['resident'] * 1e3:.2f} ms, "
+        print(f"  decode batch {batch} context {context}{' (CUDA graphs)' if args.graphs else ''}: resident {r['resident'] * 1e3:.2f} ms, "
               f"prefetched {r['prefetched'] * 1e3:.2f} ms (reload path {r['reload_path']})", flush=True)
         if r["timeline"]:
             t = r["timeline"]

@@ -229,3 +229,63 @@ def test_a_decode_step_never_waits_for_the_device(model, scale):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)  # same inputs, same step
+
+
+def _decode_inputs(fmt, batch, pages, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    table = torch.randperm(batch * pages, generator=gen, device=DEVICE).view(batch, pages).to(torch.int32)
+    tails = torch.randn((CONFIG.layers, 2, batch, PAGE, CONFIG.kv_heads, CONFIG.head_dim), generator=gen,
+                        device=DEVICE).to(torch.bfloat16)
+    tokens = torch.randint(CONFIG.vocab, (batch,), generator=gen, device=DEVICE)
+    return table, tails, tokens
+
+
+def test_decode_graphs_need_cuda(model):
+    from kvtier.decode.graphs import DecodeGraphs
+
+    fmt = CONFIG.page_format(PAGE)
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    kv = PagedKV(fmt, 4, "cpu")
+    tails = torch.zeros((CONFIG.layers, 2, 2, PAGE, CONFIG.kv_heads, CONFIG.head_dim), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        DecodeGraphs(model, kv, tails, 2, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("scale", ["per_page_head", "per_token_head"])
+def test_decode_graphs_replay_the_eager_step(model, scale):
+    """Steps replayed from the graphs give the eager steps' logits, pages, scales and tails, with
+    wait_layer(i) called once a layer, in order, before layer i's attention; shapes other than
+    the captured ones are refused."""
+    from kvtier.decode.graphs import DecodeGraphs
+
+    fmt = CONFIG.page_format(PAGE, scale=scale)
+    batch, pages = 3, 4
+    table, tails, tokens = _decode_inputs(fmt, batch, pages, 21)
+    eager_kv, graph_kv = PagedKV(fmt, batch * pages, DEVICE), PagedKV(fmt, batch * pages, DEVICE)
+    for kv in (eager_kv, graph_kv):
+        for layer in range(CONFIG.layers):
+            kv.write_pages(layer, table.view(-1).long(), tails[layer, 0].repeat(pages, 1, 1, 1),
+                           tails[layer, 1].repeat(pages, 1, 1, 1))
+    eager_tails, graph_tails = tails.clone(), tails.clone()
+    graphs = DecodeGraphs(model, graph_kv, graph_tails, batch, pages)
+    calls = []
+    start = torch.tensor([2 * PAGE + 13, 3 * PAGE - 3, PAGE + 1], device=DEVICE)
+    for step in range(4):  # the second step is the first replay; one sequence fills its page on the way
+        positions = start + step
+        expected = model.decode(eager_kv, tokens, positions, table, eager_tails)
+        got = graphs.step(tokens, positions, table, wait_layer=calls.append)
+        assert graphs.captured
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        assert calls == list(range(CONFIG.layers))
+        calls.clear()
+        tokens = expected.argmax(-1)
+    torch.cuda.synchronize()
+    assert torch.equal(graph_tails, eager_tails)
+    for layer in range(CONFIG.layers):
+        assert torch.equal(graph_kv.k[layer].view(torch.uint8), eager_kv.k[layer].view(torch.uint8))
+        assert torch.equal(graph_kv.v[layer].view(torch.uint8), eager_kv.v[layer].view(torch.uint8))
+        assert torch.equal(graph_kv.k_scales[layer], eager_kv.k_scales[layer])
+    with pytest.raises(ValueError, match="page table"):
+        graphs.step(tokens, start, table[:, :2])

@@ -289,26 +289,48 @@ class TinyDecoder:
         (layers, 2, batch, page_size, kv_heads, head_dim), and the page is re-quantized from it;
         a tail whose page filled is zeroed for the next page. `wait_layer(i)`, when given, is
         called before layer i's attention reads the pages (pages still arriving from a load).
-        Returns float32 logits (batch, vocab).
+        Returns float32 logits (batch, vocab). The step reads nothing back from the device, so
+        its host thread only queues work (kvtier.decode.graphs captures the same segments).
         """
+        step = self.decode_head(kv, tokens, positions, page_table)
+        for i in range(len(self.layers)):
+            self.decode_before_attention(step, i, kv, tails)
+            if wait_layer is not None:
+                wait_layer(i)
+            self.decode_attention_on(step, i, kv)
+        return self.decode_tail(step, kv, tails)
+
+    # The segments of `decode`, in order: the head, then per layer the part up to its page write
+    # and the part from its attention on, then the tail. `step` carries the tensors between them.
+    def decode_head(self, kv: PagedKV, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> dict:
         page = kv.fmt.page_size
         batch = tokens.shape[0]
         rows = positions % page
-        slots = page_table.gather(1, (positions // page)[:, None].to(page_table.dtype)).squeeze(1).long()
-        seq_lens = (positions + 1).to(torch.int32)
-        index = torch.arange(batch, device=self.device)
-        x = self.embed[tokens]
-        # Positions lie below the page table's reach: the rope tables are sized from that.
-        rope = self._rope_tables(positions, page_table.shape[1] * page)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, rope)
-            tails[i, 0, index, rows] = k
-            tails[i, 1, index, rows] = v
-            kv.write_pages(i, slots, tails[i, 0], tails[i, 1])
-            if wait_layer is not None:
-                wait_layer(i)
-            attn = kv.attend(i, q, page_table, seq_lens)
-            x = self._finish_layer(layer, x, attn)
-        # A page that just filled is done; its sequence's next token starts a fresh tail.
-        tails[:, :, rows == page - 1] = 0
-        return self.logits(x)
+        return {
+            "rows": rows,
+            "slots": page_table.gather(1, (positions // page)[:, None].to(page_table.dtype)).squeeze(1).long(),
+            "seq_lens": (positions + 1).to(torch.int32),
+            "index": torch.arange(batch, device=self.device),
+            "x": self.embed[tokens],
+            # Positions lie below the page table's reach: the rope tables are sized from that.
+            "rope": self._rope_tables(positions, page_table.shape[1] * page),
+            "page_table": page_table,
+        }
+
+    def decode_before_attention(self, step: dict, i: int, kv: PagedKV, tails: torch.Tensor) -> None:
+        q, k, v = self._qkv(self.layers[i], step["x"], step["rope"])
+        tails[i, 0, step["index"], step["rows"]] = k
+        tails[i, 1, step["index"], step["rows"]] = v
+        kv.write_pages(i, step["slots"], tails[i, 0], tails[i, 1])
+        step["q"] = q
+
+    def decode_attention_on(self, step: dict, i: int, kv: PagedKV) -> None:
+        attn = kv.attend(i, step.pop("q"), step["page_table"], step["seq_lens"])
+        step["x"] = self._finish_layer(self.layers[i], step["x"], attn)
+
+    def decode_tail(self, step: dict, kv: PagedKV, tails: torch.Tensor) -> torch.Tensor:
+        # A page that just filled is done; its sequence's next token starts a fresh tail (a
+        # masked fill: indexing by a boolean mask would read the mask back to the host).
+        filled = (step["rows"] == kv.fmt.page_size - 1).view(1, 1, -1, 1, 1, 1)
+        tails.masked_fill_(filled, 0)
+        return self.logits(step["x"])
