@@ -193,6 +193,7 @@ def test_host_hits_loaded_with_split_layers_match_all_resident(model, monkeypatc
     requests = workload()
     resident, _ = run(model, requests, scale="per_token_head")
     monkeypatch.setattr(loading, "_FIRST_CHUNK", 1)
+    monkeypatch.setattr(loading, "_LINK_BYTES_PER_S", 1.0)  # every chunk defers its other layers
     offloaded, stats = run(model, requests, scale="per_token_head", device_pages=10, host_pages=64,
                            layer_ordered_loads=True)
     assert stats["hits"]["host"] > 0 and stats["bytes_moved"]["host_to_device"] > 0

@@ -43,6 +43,13 @@ class CountingEngine(TorchEngine):
         return super().reload_layers(host_slots, device_slots, layers, ready)
 
 
+@pytest.fixture(autouse=True)
+def slow_link(monkeypatch):
+    """A link so slow that every chunk of a layer-ordered load defers its other layers (the copies
+    queued always outlast the bookkeeping): the split path, which most tests here cover."""
+    monkeypatch.setattr(loading, "_LINK_BYTES_PER_S", 1.0)
+
+
 def _pool(registry, engine, device_pages=200, host_pages=300, policy="write_through", ordered=True):
     """Layer-ordered loads on unless `ordered` is False: most tests here cover that path."""
     return TieredPool(small_format(page_size=1), device_pages=device_pages, host_pages=host_pages,
@@ -95,6 +102,38 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     assert pool.match(keys).device == 170
     _check_indexes(pool)
     pool.close()
+
+
+def test_chunks_copy_every_layer_while_the_link_would_wait_for_bookkeeping(registry, gen, monkeypatch):
+    """With a link far faster than the bookkeeping, no chunk of a layer-ordered load defers its
+    other layers (each copies every layer as it is booked: the link never waits); the pages land
+    bit-exact and every layer can be waited for."""
+    monkeypatch.setattr(loading, "_LINK_BYTES_PER_S", 1e30)
+    pool = _pool(registry, CountingEngine)
+    keys = prefix_keys(np.arange(170), 1, pool.namespace)
+    expected = _write(pool, keys, gen)
+    pool.evict(keys=keys)
+    pool.engine.reloads.clear()
+    handle = pool.load(keys)
+    assert pool.engine.reloads == [loading._FIRST_CHUNK, 170 - loading._FIRST_CHUNK] and pool.engine.rests == []
+    for layer in range(pool.fmt.num_layers):
+        handle.wait_layer(layer)
+    handle.synchronize()
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
+    pool.release(handle.slots)
+    _check_indexes(pool)
+    pool.close()
+
+
+@pytest.mark.parametrize("queued_s, chunk_s, elapsed_s, booked, remaining, defers", [
+    (0.0, 1e-3, 1e-4, 32, 4064, False),  # the first chunk: the bookkeeping has 12.7 ms to go
+    (5e-3, 1e-3, 2e-3, 600, 3496, False),  # 6 ms of copies queued against 13.7 ms of bookkeeping
+    (13e-3, 1e-3, 2e-3, 600, 3496, True),  # 14 ms queued: the link stays busy past the 13.7 ms of bookkeeping
+    (1e-3, 1e-3, 5e-3, 4096, 0, False),  # the last chunk, the link idle before it: every layer now
+    (4.5e-3, 1e-3, 5e-3, 4096, 0, True),  # the last chunk behind 4.5 ms of copies
+])
+def test_which_chunks_defer_their_other_layers(queued_s, chunk_s, elapsed_s, booked, remaining, defers):
+    assert loading.defers_other_layers(queued_s, chunk_s, elapsed_s, booked, remaining) is defers
 
 
 def test_layer_ordered_loads_must_be_a_bool(registry):

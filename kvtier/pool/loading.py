@@ -36,6 +36,25 @@ _CHUNK_GROWTH = 4
 # next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
 # load's copies run back to back instead of waiting for one last chunk of most of the batch.
 _CHUNK_BYTES = 64 << 20
+# What a layer-ordered load assumes the link moves (bytes/s) when it decides which chunks defer
+# their other layers (defers_other_layers): where it is off, only the chunk at which deferring
+# starts moves.
+_LINK_BYTES_PER_S = 50e9
+
+
+def defers_other_layers(queued_s: float, chunk_s: float, elapsed_s: float, booked: int, remaining: int) -> bool:
+    """Whether a layer-ordered load's next chunk copies only its first layer now, its other layers
+    waiting for the load's tail (copied layer by layer after the last chunk), or every layer now.
+
+    Every layer now while the link would otherwise wait for the load's bookkeeping: the copies
+    queued so far (queued_s of link time from the load's start) and this chunk's (chunk_s, every
+    layer) end before the bookkeeping is expected to end (elapsed_s so far over `booked` pages, as
+    much again per page for the `remaining` ones). Past that point the link stays busy anyway, and
+    what is left is queued in layer order, so layer 0 lands early and attention over each layer
+    overlaps the copies of the next: the link never idles while layer 0 still comes first.
+    """
+    expected_end = elapsed_s + remaining * (elapsed_s / booked if booked else 0.0)
+    return queued_s + chunk_s > expected_end
 
 
 class Loading:
@@ -55,10 +74,12 @@ class Loading:
         before it: their pages lose their keys at once and their slots are freed when their copies land.
 
         With layer_ordered_loads, an engine that reloads a subset of layers (`reloads_layers`), more than one layer and
-        more than one chunk's keys, each chunk copies only its first layer as it is booked, and the
-        other layers of every chunk follow in one call after the last chunk, in layer order: the
-        whole load's first layer lands after 1/L of its bytes, not near the end as when each chunk
-        moves every layer, so attention over layer i overlaps the copies of the layers after it.
+        more than one chunk's keys, the chunks booked while the link would otherwise wait for the
+        bookkeeping copy every layer, and the later ones (defers_other_layers) copy only their first
+        layer as they are booked, their other layers following in one call after the last chunk, in
+        layer order: the whole load's first layer lands soon after the bookkeeping ends, not with the
+        last byte, so attention over layer i overlaps the copies of the layers after it, and the link
+        is kept busy from the first chunk on.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many = dev.table.get_many
@@ -72,6 +93,9 @@ class Loading:
         split = (self._layer_ordered_loads and getattr(engine, "reloads_layers", False)
                  and num_layers > 1 and len(ids) > _FIRST_CHUNK)
         pending: list[tuple[list[int], list[int], Ticket, list[bool]]] = []  # split: (srcs, targets, first layer, flags)
+        # Split loads: link seconds queued so far, the clock, and one page's copy (every layer, first layer).
+        queued_s, started_at = 0.0, time.perf_counter()
+        page_s = self.fmt.page_bytes / _LINK_BYTES_PER_S
         pos, chunk = 0, _FIRST_CHUNK
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         while pos < len(ids):
@@ -118,11 +142,13 @@ class Loading:
                 for i, slot in zip(src_pos, targets):
                     out[i] = slot
             flags = [False, False]  # cancelled, landed
-            if split:
+            if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, len(ids) - pos):
+                queued_s += n * page_s / num_layers
                 ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
                 started.append((targets, ticket, flags))
                 pending.append((srcs, targets, ticket, flags))
                 continue
+            queued_s += n * page_s
             ticket = engine.reload(srcs, targets, ready=ready)
             landing.update(dict.fromkeys(targets, ticket))
             started.append((targets, ticket, flags))

@@ -97,11 +97,14 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
     returns (True, the default: commit costs only its own bookkeeping, and the copy's work runs
     while the engine's thread waits on the GPU), or inside commit (False: better for a caller
     that never blocks, where a second thread only competes for the GIL).
-    layer_ordered_loads: a load of several chunks copies every chunk's first layer first, then
-    the other layers layer by layer (with an engine that copies a subset of layers), so layer 0
-    lands after about 1/L of the bytes; off by default: on an H100 host it cost a 256-page load
-    twice the host time and 0.75x of PCIe against 0.89x, and a prefetched decode step did not gain
-    (BENCHMARKS.md, "Time to first token and prefetched decode").
+    layer_ordered_loads: a load of several chunks copies every layer of the chunks booked while
+    the link would otherwise wait for the bookkeeping, and only the first layer of the later ones,
+    whose other layers follow layer by layer (with an engine that copies a subset of layers), so
+    layer 0 lands soon after the bookkeeping ends and attention overlaps the copies of the next
+    layers: a prefetched 8 x 8k decode step from CUDA graphs took 12.85-12.96 ms against
+    13.77-14.04 without it (H100, 2026-12-06). Off by default: the earlier form (every chunk
+    split) cost a 256-page load twice the host time on an H100 host, and this one has not been
+    measured on small loads yet (BENCHMARKS.md, "Time to first token and prefetched decode").
     """
 
     def __init__(
