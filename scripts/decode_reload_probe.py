@@ -84,6 +84,22 @@ def probe(fmt, pages: int, repeats: int, label: str) -> None:
                     t.synchronize()
 
             rows["chunks"] = timed(chunks, repeats)
+            # Whole records by the copy engines into a device staging buffer, then the copy kernel
+            # from there (transfer/cuda/staged_path.py), one call and in the pool's chunk sizes.
+            from kvtier.transfer.cuda.staged_path import staged_reload
+
+            def staged(size=None):
+                events, keep, pos, step = [], [], 0, 32
+                while pos < pages:
+                    end = pages if size is None else min(pages, pos + step)
+                    with torch.cuda.stream(engine.reload_stream):
+                        events.append(staged_reload(engine, np.asarray(host_slots[pos:end], dtype=np.int64),
+                                                    np.arange(pos, end, dtype=np.int64), None, keep)[-1])
+                    pos, step = end, min(step * 4, 512)
+                torch.cuda.current_stream().wait_event(events[-1])
+
+            rows["staged"] = timed(staged, repeats)
+            rows["staged chunks"] = timed(lambda: staged(512), repeats)
             # The same records in memory from cudaHostAlloc (torch's pinned allocator) instead of
             # the host tier's mmap + cudaHostRegister, moved by an engine over the same device tier.
             from types import SimpleNamespace
