@@ -18,7 +18,7 @@ import itertools
 import pytest
 import torch
 
-from kvtier.decode.attention import paged_decode_attention, reference_decode_attention, split_plan
+from kvtier.decode.attention import MMA_MIN_BLOCK_N, paged_decode_attention, reference_decode_attention, split_plan
 from kvtier.format import quantize
 from kvtier.format.codec import dequantize
 
@@ -179,8 +179,19 @@ def test_every_fp8_dot_mode_matches_float64_reference(dtype, scale, layout, fp8_
     seed = 700 + FP8_LAYOUT_CASES.index((dtype, scale, layout))
     args = make_case(seed, dtype, scale, layout)
     out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
-    paged_decode_attention(**args, out=out, num_splits=1 + seed % 3, block_n=16 << (seed % 3), fp8_dot=fp8_dot)
+    block_n = 16 << (seed % 3)
+    if fp8_dot == "mma":
+        block_n = max(block_n, MMA_MIN_BLOCK_N)
+    paged_decode_attention(**args, out=out, num_splits=1 + seed % 3, block_n=block_n, fp8_dot=fp8_dot)
     assert_close_to_reference(out, args, torch.bfloat16 if fp8_dot in ("query", "mma") else torch.float16)
+
+
+def test_mma_refuses_blocks_under_its_dot_size():
+    """fp8 tensor-core dots take K >= 32 on Hopper: a smaller block_n is refused up front (Triton
+    would fail to compile it for sm_90), over fp8 pages only."""
+    args = make_case(961, "fp8_e4m3", "per_token_head", "nhd")
+    with pytest.raises(ValueError, match="block_n >= 32"):
+        paged_decode_attention(**args, block_n=16, fp8_dot="mma")
 
 
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp16"])

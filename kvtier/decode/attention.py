@@ -80,6 +80,7 @@ DEFAULT_CONFIGS = {
 }
 BLOCK_N = {fp8: DEFAULT_CONFIGS["fp8" if fp8 else "16-bit"]["block_n"] for fp8 in (True, False)}
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs: query heads of one kv head are padded to it.
+MMA_MIN_BLOCK_N = 32  # fp8 tensor-core dots (fp8_dot="mma") take K >= 32
 MIN_DOT = 16
 # Split-KV cuts sequences so that the programs fill whole waves: PROGRAMS_PER_SM programs of the
 # default configs stay resident on each SM (registers: about 160 a thread for fp8 pages, so three
@@ -968,6 +969,10 @@ def paged_decode_attention(
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     if fp8_dot not in FP8_DOTS:
         raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
+    if fp8_dot == "mma" and k_pages.dtype in FP8_KINDS and block_n < MMA_MIN_BLOCK_N:
+        # The probabilities' dot with V runs over block_n tokens: Hopper's fp8 tensor-core dots
+        # take K >= 32, and Triton refuses to compile a smaller one for sm_90.
+        raise ValueError(f"fp8_dot='mma' needs block_n >= {MMA_MIN_BLOCK_N} over fp8 pages, got {block_n}")
     batch, q_heads = q.shape[0], q.shape[1]
     group = q_heads // heads
     if out is None:
