@@ -86,7 +86,7 @@ class Loading:
         landing = self._dev_landing
         out = [-1] * len(ids)
         pinned: list[int] = []  # device pages held where they are
-        started: list[tuple[list[int], Ticket, list[bool]]] = []  # (targets, ticket, cancelled)
+        started: list[tuple[list[int], Ticket, list]] = []  # (targets, ticket, flags)
         ready = None
         num_layers = self.fmt.num_layers
         # Split only loads of several chunks: one chunk's copy (one launch on CUDA) already lands layer by layer.
@@ -141,7 +141,7 @@ class Loading:
             else:
                 for i, slot in zip(src_pos, targets):
                     out[i] = slot
-            flags = [False, False]  # cancelled, landed
+            flags = [False, False, 0]  # cancelled, landed, its number in `landing` (0: not marked yet)
             if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, len(ids) - pos):
                 queued_s += n * page_s / num_layers
                 ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
@@ -150,10 +150,10 @@ class Loading:
                 continue
             queued_s += n * page_s
             ticket = engine.reload(srcs, targets, ready=ready)
-            landing.update(dict.fromkeys(targets, ticket))
+            flags[2] = landing.mark(targets, ticket)
             started.append((targets, ticket, flags))
-            self._submit(ticket, self._landed(srcs, targets, ticket, flags))
-        tickets = list({landing[s] for s in pinned if s in landing}) if landing else []
+            self._submit(ticket, self._landed(srcs, targets, flags))
+        tickets = landing.tickets_of(pinned) if pinned else []
         tickets += [ticket for _, ticket, _ in started]
         if pending:
             # Every chunk's first layer is queued: now the other layers of all of them, in layer order.
@@ -165,8 +165,8 @@ class Loading:
             tickets.append(rest)
             for srcs, targets, first, flags in pending:
                 joined = JoinedTicket([first, rest], num_layers)
-                landing.update(dict.fromkeys(targets, joined))
-                self._submit(joined, self._landed(srcs, targets, joined, flags))
+                flags[2] = landing.mark(targets, joined)
+                self._submit(joined, self._landed(srcs, targets, flags))
         return LoadHandle(tickets, num_layers, out)
 
     def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
@@ -175,7 +175,7 @@ class Loading:
         layer only (split loads), whose landing is watched from here on."""
         dev, landing = self._dev, self._dev_landing
         for srcs, targets, first, flags in pending:
-            self._submit(first, self._landed(srcs, targets, first, flags))
+            self._submit(first, self._landed(srcs, targets, flags))
         for slot in pinned:
             dev.unpin(slot)
         for targets, ticket, flags in started:
@@ -186,8 +186,8 @@ class Loading:
                 continue
             for slot in targets:  # still landing: unkeyed now, freed when the copy lands
                 dev.table.unbind(slot)
-                if landing.get(slot) is ticket:
-                    del landing[slot]
+            if flags[2]:
+                landing.clear(targets, flags[2])
 
     def _secure_sources(self, ids: list[bytes]) -> tuple[dict[int, int], dict[int, int]]:
         """Hold a readable copy of every key, busy, so nothing evicts it: device pages where they
@@ -291,7 +291,7 @@ class Loading:
         dev = self._dev
         tickets: list[Ticket] = []
         dev_idx = sorted(dev_src)
-        landing = list({self._dev_landing[dev_src[i]] for i in dev_idx if dev_src[i] in self._dev_landing})
+        landing = self._dev_landing.tickets_of([dev_src[i] for i in dev_idx]) if dev_idx else []
         reload_idx = sorted(host_src)
         if slots is None:
             out = [0] * len(ids)

@@ -161,33 +161,30 @@ class Movement:
             dev.hold_all(private)
         dev.set_states(landing, S.LOADING, busy_delta=1, distinct=True)  # keyed just above
         ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
-        for slot in landing:
-            self._dev_landing[slot] = ticket
+        number = self._dev_landing.mark(landing, ticket)
 
         def finish() -> None:
             dev.set_states(landing, S.RESIDENT, busy_delta=-1, distinct=True)
             dev.unhold_all(private)
             host.unhold_all(host_slots, distinct=True)  # the slots of distinct keys
-            for slot in landing:
-                if self._dev_landing.get(slot) is ticket:
-                    del self._dev_landing[slot]
+            self._dev_landing.clear(landing, number)
             self.counters.moved("host_to_device", len(dev_slots), len(dev_slots) * self.fmt.page_bytes)
 
         self._submit(ticket, finish)
         return ticket
 
-    def _landed(self, srcs: list[int], targets: list[int], ticket: Ticket, flags: list[bool]):
+    def _landed(self, srcs: list[int], targets: list[int], flags: list):
         """What happens when a `_load_now` chunk's copy lands: its pages become RESIDENT (or,
-        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed]."""
+        cancelled, their slots free) and its host sources are let go. flags: [cancelled, landed,
+        the chunk's number in `_dev_landing` (0: never marked)]."""
         dev, host, landing = self._dev, self._host, self._dev_landing
 
         def finish() -> None:
             flags[1] = True
             dev.set_states(targets, S.FREE if flags[0] else S.RESIDENT, busy_delta=-1, distinct=True)
             host.unhold_all(srcs, distinct=True)
-            for slot in targets:
-                if landing.get(slot) is ticket:
-                    del landing[slot]
+            if flags[2]:
+                landing.clear(targets, flags[2])
             self.counters.moved("host_to_device", len(targets), len(targets) * self.fmt.page_bytes)
 
         return finish

@@ -55,6 +55,7 @@ from kvtier.pool.breaker import CircuitBreaker
 from kvtier.pool.checks import check_copy_path, check_count, check_host_size, check_positive, check_slots, check_unique
 from kvtier.pool.draining import Draining
 from kvtier.pool.handles import LoadHandle, MatchResult
+from kvtier.pool.landing import Landing
 from kvtier.pool.loading import Loading
 from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.opening import make_engine, open_remote
@@ -174,7 +175,7 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         self._offload_work = threading.Condition(self._lock)
         self._inflight: list[tuple[Ticket, object]] = []  # engine copies: (ticket, finish)
         self._matches: collections.deque = collections.deque()  # matches that found the lock taken
-        self._dev_landing: dict[int, Ticket] = {}  # device slot -> reload still landing in it
+        self._dev_landing = Landing(self.device_tier.num_pages)  # device slot -> reload still landing in it
         self._fetching: dict[int, Ticket] = {}  # host slot -> remote fetch still landing in it
         self._evicting = bytearray(device_pages)  # device slots to free once their copy-down lands
         self._ready = None  # the latest commit's ready event (eviction copies wait on it)
