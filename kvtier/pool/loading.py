@@ -178,7 +178,7 @@ class Loading:
             self._submit(first, self._landed(srcs, targets, flags))
         for slot in pinned:
             dev.unpin(slot)
-        for targets, ticket, flags in started:
+        for targets, _, flags in started:
             flags[0] = True
             dev.unpin_all(targets)
             if flags[1]:  # landed already (a synchronous engine): those pages go now
