@@ -27,7 +27,9 @@ Variants:
     nosig (no per-layer signals; the engine always signals).
   copy engines: cudaMemcpyBatchAsync of every piece as kvtier's copy_engine_path (srcAccessOrder
     stream, PreferOverlapWithCompute when pieces <= 128 KiB, or the default flag), in batches of
-    all / 1024 / 128 pieces; pairings CE offload + kernel reload and kernel offload + CE reload.
+    all / 1024 / 128 pieces, through cuda.bindings' runtime wrapper over Python lists ("ce:" rows),
+    and through libcuda's cuMemcpyBatchAsync over numpy arrays as kvtier submits them ("ce-ctypes:"
+    rows, driver.BatchMemcpy); pairings CE offload + kernel reload and kernel offload + CE reload.
 
 Every variant's copy is checked bit-exact once per piece size (destinations poisoned, both
 directions at once) before it is timed; a variant that fails the check is not timed. Fail-soft:
@@ -37,6 +39,7 @@ what is left, recorded as skipped. Results: $OUT/both_directions_sweep.json (OUT
 
     OUT=/tmp/out python scripts/both_directions_sweep.py            # about 2-3 minutes
     python scripts/both_directions_sweep.py --sizes 16,64 --quick    # a smoke run
+    python scripts/both_directions_sweep.py --variants cur --rows 'k:cur@sm$|^ce[:-]'   # copy-engine rows
 """
 
 from __future__ import annotations
