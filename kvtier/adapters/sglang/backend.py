@@ -170,9 +170,7 @@ class _Lane:
         # memory too
         last = torch.arange(pool.size - self.indices_per_page, pool.size, dtype=torch.int64)
         ends, end_sizes = self._computed(found, layout, last, 1)
-        if not all(
-            any(s <= p and p + n <= e for s, e in self._regions) for p, n in zip(ends.tolist(), end_sizes.tolist())
-        ):
+        if self._outside(ends.tolist(), end_sizes.tolist()):
             return None
         return found
 
@@ -277,6 +275,21 @@ class _Lane:
                 f"{pages * self.indices_per_page} ({self.indices_per_page} per page)"
             )
 
+    def _outside(self, ptrs, sizes) -> list[int]:
+        """Positions of the pieces that no region of the pool's memory holds whole."""
+        if len(ptrs) <= _FEW_PIECES:
+            regions = self._regions
+            return [
+                i for i, (p, n) in enumerate(zip(ptrs, sizes))
+                if not any(s <= p and p + n <= e for s, e in regions)
+            ]
+        ptr_array = np.asarray(ptrs, dtype=np.int64)
+        end_array = ptr_array + np.asarray(sizes, dtype=np.int64)
+        inside = (
+            (ptr_array[:, None] >= self._starts[None, :]) & (end_array[:, None] <= self._ends[None, :])
+        ).any(axis=1)
+        return np.flatnonzero(~inside).tolist()
+
     def _pieces(self, host_indices: torch.Tensor, pages: int) -> tuple:
         if self._layout is not None:  # computed pieces are checked per page
             return self._computed_inside(host_indices, pages), list(self.piece_sizes) * pages
@@ -289,19 +302,7 @@ class _Lane:
                 f"{sorted(set(sizes))} for {pages} pages; expected {per_page} pieces per page of "
                 f"sizes {list(self.piece_sizes)}"
             )
-        if len(ptrs) <= _FEW_PIECES:
-            regions = self._regions
-            outside = [
-                i for i, (p, n) in enumerate(zip(ptrs, sizes))
-                if not any(s <= p and p + n <= e for s, e in regions)
-            ]
-        else:
-            ptr_array = np.asarray(ptrs, dtype=np.int64)
-            end_array = ptr_array + np.asarray(sizes, dtype=np.int64)
-            inside = (
-                (ptr_array[:, None] >= self._starts[None, :]) & (end_array[:, None] <= self._ends[None, :])
-            ).any(axis=1)
-            outside = np.flatnonzero(~inside).tolist()
+        outside = self._outside(ptrs, sizes)
         if outside:
             bad = outside[0]
             raise ValueError(
