@@ -299,3 +299,50 @@ def test_header_read_ahead_covers_runs_of_headers_not_the_gaps_between_them(tmp_
     finally:
         os.close(first)
         os.close(second)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_batch_this_process_published_is_read_without_an_index_lookup(open_store, direct_io):
+    """Every key known (published here): the batch is read at the remembered locations through
+    NIXL, with no SQLite read; a key the process does not know sends the batch to the index."""
+    store = open_store(direct_io=direct_io)
+    count = 3 * DIRECT_REQUESTS_IN_FLIGHT
+    _region, pages = aligned_pages(2 * count)
+    fill_random(pages[:count], seed=41)
+    keys = [f"m{i}" for i in range(count)]
+    assert store.put(keys, pages[:count]) == [True] * count
+    lookups = []
+    lookup = store._index.lookup
+    store._index.lookup = lambda ns, ids: lookups.append(len(ids)) or lookup(ns, ids)
+    poison(pages[count:])
+    assert store.get(keys, pages[count:]) == [True] * count
+    assert all(torch.equal(pages[i], pages[count + i]) for i in range(count))
+    stats = store.stats()
+    assert lookups == [] and stats["locations_from_memory"] == 1 and stats["small_batch_reads"] == 0
+    poison(pages[count:])
+    assert store.get(keys + ["unknown"], pages[count:] + [pages[0].clone()]) == [True] * count + [False]
+    assert all(torch.equal(pages[i], pages[count + i]) for i in range(count))
+    assert lookups == [count + 1] and store.stats()["locations_from_memory"] == 1
+
+
+def test_a_batch_with_a_slot_reused_by_another_store_is_read_again_from_the_index(open_store):
+    """One remembered location of a large batch went stale (another store moved the key and
+    reused its slot): the batch is read again at the index's locations, never the old bytes."""
+    mine = open_store(reuse_delay_s=0.0, presence_recheck_s=3600.0)
+    other = open_store(reuse_delay_s=0.0)
+    count = 2 * DIRECT_REQUESTS_IN_FLIGHT
+    _region, pages = aligned_pages(2 * count + 2)
+    fill_random(pages[: count + 2], seed=43)
+    keys = [f"b{i}" for i in range(count)]
+    assert mine.put(keys, pages[:count]) == [True] * count
+    assert other.delete([keys[3]]) == [True]
+    assert other.put(["j"], pages[count : count + 1]) == [True]  # into b3's old slot
+    assert other.put([keys[3]], pages[count + 1 : count + 2]) == [True]  # b3 again, other bytes
+    out = pages[count + 2 :]
+    poison(out)
+    assert mine.get(keys, out) == [True] * count
+    want = pages[:count]
+    want[3] = pages[count + 1]
+    assert all(torch.equal(want[i], out[i]) for i in range(count))
+    stats = mine.stats()
+    assert stats["stale_locations"] == 1 and stats["corrupt_reads"] == 0 and stats["hits"] == count

@@ -143,7 +143,7 @@ class StoreSteps:
                          "exits): %r", len(slots), exc)
 
     def _get(self, ids: list[bytes], pages: PageBuffers, prefix: bool) -> list[bool]:
-        if len(ids) <= SMALL_BATCH_PAGES and self.faults.quiet("READ"):
+        if self.faults.quiet("READ"):
             remembered = self._index.presence.locations(self._ns_fp, ids)
             if remembered is not None:
                 found = self._read_remembered(ids, pages, remembered)
@@ -191,7 +191,7 @@ class StoreSteps:
         return found
 
     def _read_remembered(self, ids: list[bytes], pages: PageBuffers, locations: list) -> Optional[list[bool]]:
-        """Read a small batch at the locations this process remembers (no SQLite read); None
+        """Read a batch at the locations this process remembers (no SQLite read); None
         when any page is not where it was remembered (replaced, removed, unreadable): the
         caller then reads the batch's locations from the index, so a stale location costs a
         second read, never wrong bytes. Nothing is unpublished from here."""
