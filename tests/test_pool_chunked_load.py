@@ -192,6 +192,73 @@ def test_a_key_missing_in_a_later_chunk_leaves_the_device_as_it_was(registry, ge
     pool.close()
 
 
+@pytest.mark.parametrize("engine", [TorchEngine, DeferredEngine])
+@pytest.mark.parametrize("bad", ["repeat", "type", "empty"])
+def test_a_bad_key_in_a_later_chunk_raises_after_the_first_chunk_and_leaves_the_device_as_it_was(registry, gen, engine, bad):
+    """A long load keys its first chunk before that chunk's copy is queued and every later
+    chunk's keys with its bookkeeping: a repeated or malformed key past the first chunk raises
+    as it would up front, the first chunk's copy is cancelled, and the device is as it was."""
+    pool = _pool(registry, engine, device_pages=250)
+    keys = prefix_keys(np.arange(200), 1, pool.namespace)
+    if engine is DeferredEngine:
+        stop, lander = _landing(pool.engine)
+        try:
+            expected = _write(pool, keys, gen)
+        finally:
+            stop.set()
+            lander.join(LIVENESS_S)
+    else:
+        expected = _write(pool, keys, gen)
+    pool.evict(tier="device")
+    before = pool.stats()["states"]["device"]
+    assert len(keys) > loading.HEAD_START_KEYS
+    asked = list(keys)
+    asked[150] = {"repeat": keys[3], "type": 12345, "empty": b""}[bad]
+    error = {"repeat": (ValueError, "must not repeat"), "type": (TypeError, "^key 150: "), "empty": (ValueError, "^key 150: .*empty")}[bad]
+    with pytest.raises(error[0], match=error[1]):
+        pool.load(asked)
+    if engine is DeferredEngine:
+        assert pool.engine.pending() >= 1  # the first chunk's copy was queued before the bad key was seen
+        assert pool.match(keys).device == 0, "a cancelled chunk's pages must not be found"
+        pool.engine.land()
+        pool.match(keys[:1])  # a call that reaps the landed copies
+    assert pool.stats()["states"]["device"] == before
+    assert pool.match(keys).device == 0
+    handle = pool.load(keys)  # the same keys, well formed: every page arrives intact
+    if engine is DeferredEngine:
+        pool.engine.land()
+    handle.synchronize()
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
+    pool.release(handle.slots)
+    _check_indexes(pool)
+    pool.close()
+
+
+def test_a_long_load_that_falls_back_to_the_general_path_keys_every_key(registry, gen):
+    """A key no tier holds in a later chunk of a long load: the chunks before it are cancelled and
+    the general path names the missing key among all the keys asked; a generator of keys (no
+    length up front) is keyed whole and loads bit-exact."""
+    pool = _pool(registry, TorchEngine, device_pages=250)
+    keys = prefix_keys(np.arange(210), 1, pool.namespace)
+    expected = _write(pool, keys[:200], gen)
+    pool.evict(tier="device")
+    before = pool.stats()["states"]["device"]
+    asked = keys[:150] + [keys[205]] + keys[150:200]
+    with pytest.raises(KeyError, match="1 of 201 keys"):
+        pool.load(asked)
+    assert pool.stats()["states"]["device"] == before
+    # a malformed key after the missing one is still named, at its place in the whole batch
+    with pytest.raises(TypeError, match="^key 190: "):
+        pool.load(asked[:190] + [12345] + asked[191:])
+    assert pool.stats()["states"]["device"] == before
+    handle = pool.load(k for k in keys[:200])
+    handle.synchronize()
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys[:200], handle.slots))
+    pool.release(handle.slots)
+    _check_indexes(pool)
+    pool.close()
+
+
 def _landing(engine):
     """A thread landing the engine's copies as they come, until the returned event is set."""
     stop = threading.Event()

@@ -110,10 +110,11 @@ def release_id_cache() -> None:
             clear_id_cache()
 
 
-def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
+def key_ids(keys: Iterable[str | bytes], first: int = 0) -> list[bytes]:
     """Ids of a batch of keys, in order. Checks every key before returning anything.
 
-    Raises TypeError / ValueError naming the first bad key and its position.
+    Raises TypeError / ValueError naming the first bad key and its position (counted from
+    `first`: the position of `keys[0]` in the caller's whole batch).
     """
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
@@ -125,13 +126,13 @@ def key_ids(keys: Iterable[str | bytes]) -> list[bytes]:
     try:
         out = list(map(_young.get, keys))
     except TypeError:  # an unhashable key: the loop names it
-        return _key_ids_each(keys)
+        return _key_ids_each(keys, first)
     if None not in out:  # (only non-empty keys are ever cached)
         if set(map(type, keys)) <= _PLAIN:
             return out
     elif len(out) >= _FILL_BATCH and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out):
         return out
-    return _key_ids_each(keys)
+    return _key_ids_each(keys, first)
 
 
 def _fill_new(keys: list, out: list) -> bool:
@@ -173,7 +174,7 @@ def _fill_new(keys: list, out: list) -> bool:
     return True
 
 
-def _key_ids_each(keys) -> list[bytes]:
+def _key_ids_each(keys, first: int = 0) -> list[bytes]:
     """`key_ids` one key at a time: names a bad key, and turns the cache's generations over."""
     global _young, _old, _young_chars
     out = []
@@ -213,7 +214,7 @@ def _key_ids_each(keys) -> list[bytes]:
         try:
             append(key_id(key))
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"key {i}: {exc}") from None
+            raise type(exc)(f"key {first + i}: {exc}") from None
     return out
 
 

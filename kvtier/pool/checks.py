@@ -58,9 +58,12 @@ def check_slots(slots: Iterable[object], capacity: int) -> list[int]:
     return out
 
 
+REPEATED_KEYS = "keys must not repeat within one call"
+
+
 def check_unique(ids: list[bytes]) -> None:
     if len(set(ids)) != len(ids):
-        raise ValueError("keys must not repeat within one call")
+        raise ValueError(REPEATED_KEYS)
 
 
 def check_positive(value: object, what: str, integer: bool = False) -> int | float:

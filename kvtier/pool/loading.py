@@ -18,6 +18,8 @@ import numpy as np
 
 from kvtier.index import PageState
 from kvtier.index.key_table import MANY
+from kvtier.index.keys import key_ids
+from kvtier.pool.checks import REPEATED_KEYS
 from kvtier.pool.handles import LoadHandle, PoolExhausted
 from kvtier.pool.movement import _READABLE
 from kvtier.transfer import JoinedTicket, Ticket
@@ -32,6 +34,10 @@ _LOAD_PATIENCE_S = 30.0
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
+# A load of more keys than this keys and checks only its first chunk before that chunk's copy is
+# queued, each later chunk's keys with its bookkeeping (`_load_now`'s `more`): keying and checking
+# 4,096 keys up front took 0.35-0.4 ms of a 2-core VM, which the link spent idle.
+HEAD_START_KEYS = 4 * _FIRST_CHUNK
 # ... up to this many bytes a chunk (or MANY pages): a chunk's copy then outlasts the
 # next chunk's bookkeeping wherever a page's bookkeeping is shorter than its PCIe time, so a long
 # load's copies run back to back instead of waiting for one last chunk of most of the batch.
@@ -40,6 +46,15 @@ _CHUNK_BYTES = 64 << 20
 # their other layers (defers_other_layers): where it is off, only the chunk at which deferring
 # starts moves.
 _LINK_BYTES_PER_S = 50e9
+
+
+def key_head(keys) -> tuple[list[bytes], list | None]:
+    """(ids, more) for `TieredPool.load` without slots: a long list or tuple of keys gives the ids
+    of its first chunk and the keys after it (keyed by `_load_now` chunk by chunk), anything else
+    every id and None."""
+    if type(keys) in (list, tuple) and len(keys) > HEAD_START_KEYS:
+        return key_ids(keys[:_FIRST_CHUNK]), keys[_FIRST_CHUNK:]
+    return key_ids(keys), None
 
 
 def defers_other_layers(queued_s: float, chunk_s: float, elapsed_s: float, booked: int, remaining: int) -> bool:
@@ -60,7 +75,7 @@ def defers_other_layers(queued_s: float, chunk_s: float, elapsed_s: float, booke
 class Loading:
     """The load mechanics of TieredPool."""
 
-    def _load_now(self, ids: list[bytes]) -> LoadHandle | None:
+    def _load_now(self, ids: list[bytes], more: list | None = None) -> LoadHandle | None:
         """The common load in one hold of the lock, or None (the device as it was, but for
         evictions) for the general path: every key on the device or readable in the host tier,
         and device room for the host pages without waiting (free slots, or clean pages to evict).
@@ -80,27 +95,45 @@ class Loading:
         layer order: the whole load's first layer lands soon after the bookkeeping ends, not with the
         last byte, so attention over layer i overlaps the copies of the layers after it, and the link
         is kept busy from the first chunk on.
+
+        `more`: keys after `ids` (the first chunk's), keyed and checked for repeats a chunk at a time,
+        each chunk's while the copies queued before it move, and appended to `ids` (the caller's
+        list); a bad or repeated key among them cancels the chunks before it and raises, the device
+        as it was.
         """
         dev, host, engine = self._dev, self._host, self.engine
         dget_many = dev.table.get_many
         landing = self._dev_landing
-        out = [-1] * len(ids)
+        head = len(ids)
+        total = head + len(more or ())
+        out = [-1] * total
         pinned: list[int] = []  # device pages held where they are
         started: list[tuple[list[int], Ticket, list]] = []  # (targets, ticket, flags)
         ready = None
         num_layers = self.fmt.num_layers
         # Split only loads of several chunks: one chunk's copy (one launch on CUDA) already lands layer by layer.
         split = (self._layer_ordered_loads and getattr(engine, "reloads_layers", False)
-                 and num_layers > 1 and len(ids) > _FIRST_CHUNK)
+                 and num_layers > 1 and total > _FIRST_CHUNK)
         pending: list[tuple[list[int], list[int], Ticket, list[bool]]] = []  # split: (srcs, targets, first layer, flags)
         # Split loads: link seconds queued so far, the clock, and one page's copy (every layer, first layer).
         queued_s, started_at = 0.0, time.perf_counter()
         page_s = self.fmt.page_bytes / _LINK_BYTES_PER_S
         pos, chunk = 0, _FIRST_CHUNK
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
-        while pos < len(ids):
+        seen = set(ids) if more else None  # keys so far, to find a repeat chunk by chunk
+        while pos < total:
             end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
-            end = len(ids) if pos and len(ids) - end < chunk // 2 else min(end, len(ids))
+            end = total if pos and total - end < chunk // 2 else min(end, total)
+            if end > len(ids):  # this chunk's keys, while the copies queued so far move
+                try:
+                    fresh = key_ids(more[len(ids) - head : end - head], len(ids))
+                    seen.update(fresh)
+                    if len(seen) != end:
+                        raise ValueError(REPEATED_KEYS)
+                except BaseException:
+                    self._cancel_load_now(pinned, started, pending)
+                    raise
+                ids += fresh
             srcs = []
             dslots = dget_many(ids[pos:end])
             if max(dslots) < 0:  # none on the device (a prefetch): no loop over the chunk
@@ -142,7 +175,7 @@ class Loading:
                 for i, slot in zip(src_pos, targets):
                     out[i] = slot
             flags = [False, False, 0]  # cancelled, landed, its number in `landing` (0: not marked yet)
-            if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, len(ids) - pos):
+            if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, total - pos):
                 queued_s += n * page_s / num_layers
                 ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
                 started.append((targets, ticket, flags))

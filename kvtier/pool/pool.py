@@ -56,7 +56,7 @@ from kvtier.pool.checks import check_copy_path, check_count, check_host_size, ch
 from kvtier.pool.draining import Draining
 from kvtier.pool.handles import LoadHandle, MatchResult
 from kvtier.pool.landing import Landing
-from kvtier.pool.loading import Loading
+from kvtier.pool.loading import Loading, key_head
 from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.opening import make_engine, open_remote
 from kvtier.pool.remote_link import RemoteLink
@@ -405,7 +405,8 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         holds raises KeyError, and the call leaves the device as it found it.
         """
         start = time.perf_counter()
-        ids = key_ids(keys)
+        # without slots, a long load keys its first chunk now, the rest once that chunk's copy is queued
+        ids, more = key_head(keys) if slots is None else (key_ids(keys), None)
         check_unique(ids)
         if slots is not None:
             slots = check_slots(slots, self._dev.capacity)
@@ -418,10 +419,13 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
             with self._lock:
                 self._check_open()
                 self._reap()
-                handle = self._load_now(ids)
+                handle = self._load_now(ids, more)
                 if handle is not None:
                     self.counters.latency["load"].observe(time.perf_counter() - start)
                     return handle
+            if more is not None and len(ids) < len(keys):  # the general path: keys not yet keyed
+                ids += key_ids(keys[len(ids):], len(ids))
+                check_unique(ids)
         dev_src, host_src = self._secure_sources(ids)
         new: list[int] = []
         try:
