@@ -11,7 +11,9 @@ fresh keys (prefix keys at page size 1) in a pool sized for every round, so no c
 - flush:  `flush` of those dirty device pages (the copies down and their bookkeeping);
 - match:  `match` of the keys, all in the host tier only;
 - load:   `load(keys)` into new slots, until the handle is done;
-- load_into: `load(keys, slots)` into slots from `allocate`, until done.
+- load_into: `load(keys, slots)` into slots from `allocate`, until done;
+- first:  from the call to `load(keys)` until its first copy is handed to the engine (how long
+  the link would sit idle at the start of a load; µs per call, not per page).
 
     python benchmarks/pool_bookkeeping.py [--pages 16,256,4096] [--rounds N] [--json out.json]
     python benchmarks/pool_bookkeeping.py --pages 8192
@@ -41,7 +43,18 @@ from kvtier import PageFormat, TieredPool, prefix_keys  # noqa: E402
 from pool_overhead import NoCopyEngine  # noqa: E402  benchmarks/pool_overhead.py: completes copies without bytes
 
 FORMAT = dict(num_layers=2, num_kv_heads=1, head_dim=16, page_size=1, dtype="fp8_e4m3", scale="per_tensor")
-OPS = ("commit", "flush", "match", "load", "load_into")
+OPS = ("commit", "flush", "match", "load", "load_into", "first")
+
+
+class FirstCopyEngine(NoCopyEngine):
+    """NoCopyEngine that notes when its first reload of a load arrives (`first` is reset per load)."""
+
+    first: float | None = None
+
+    def reload(self, host_slots, device_slots, ready=None):
+        if FirstCopyEngine.first is None:
+            FirstCopyEngine.first = time.perf_counter()
+        return super().reload(host_slots, device_slots, ready)
 
 
 def _timed(fn):
@@ -58,7 +71,7 @@ def _load(pool, keys, slots=None) -> list[int]:
 
 def run_batch(n: int, rounds: int, seed: int) -> dict:
     pool = TieredPool(PageFormat(**FORMAT), device="cpu", device_pages=2 * n, host_pages=n * (rounds + 2),
-                      write_policy="write_back", engine=NoCopyEngine, registry=CollectorRegistry())
+                      write_policy="write_back", engine=FirstCopyEngine, registry=CollectorRegistry())
     rng = np.random.default_rng(seed)
     samples: dict[str, list[float]] = {op: [] for op in OPS}
     # The calls back to back (no collection in between): each round's keys are new, the
@@ -76,7 +89,10 @@ def run_batch(n: int, rounds: int, seed: int) -> dict:
             pool.evict(tier="device", keys=keys)
             t_match, m = _timed(lambda: pool.match(keys))
             assert m.host == n, m
+            FirstCopyEngine.first = None
+            started = time.perf_counter()
             t_load, loaded = _timed(lambda: _load(pool, keys))
+            t_first = FirstCopyEngine.first - started
             pool.release(loaded)
             pool.evict(tier="device", keys=keys)
             targets = pool.allocate(n)
@@ -84,7 +100,7 @@ def run_batch(n: int, rounds: int, seed: int) -> dict:
             pool.release(targets)
             pool.evict(tier="device", keys=keys)
             if r:
-                for op, t in zip(OPS, (t_commit, t_flush, t_match, t_load, t_into)):
+                for op, t in zip(OPS, (t_commit, t_flush, t_match, t_load, t_into, t_first)):
                     samples[op].append(t)
     finally:
         gc.enable()
