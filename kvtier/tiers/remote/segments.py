@@ -603,7 +603,7 @@ class SegmentFiles:
             for fd, (start, end) in spans.items():
                 _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
             return
-        for fd in np.unique(remote[:, 2]).tolist():
+        for fd in set(remote[:, 2].tolist()):  # (np.unique's first call imports numpy.ma: 6-11 ms)
             rows = remote[remote[:, 2] == fd]
             start = int(rows[:, 0].min())
             end = int((rows[:, 0] + rows[:, 1]).max())
