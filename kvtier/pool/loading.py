@@ -32,11 +32,12 @@ log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever 
 _LOAD_PATIENCE_S = 30.0
 # A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
-# Growth 2 over 4 (H200, 2026-12-06, 5 alternating rounds): a prefetched 8 x 8k decode step
-# 11.92-12.33 against 12.02-12.61 ms, a whole-tier reload of 66 KiB records 0.69-0.71 against
-# 0.57-0.66x of PCIe; the second chunk's copy starts sooner and the link idles less between chunks.
+# Growth 2 was tried (H200, 2026-12-06): a prefetched 8 x 8k decode step 11.92-12.33 against
+# 12.02-12.61 ms, but each chunk costs the host 75-95 µs of bookkeeping on a 2-core VM whatever
+# the tiers' size, so a load of 256 pages returned 75-95 µs later and one of 1,024 190 µs later
+# (one and two more chunks): the win needs a cheaper chunk first.
 _FIRST_CHUNK = 32
-_CHUNK_GROWTH = 2
+_CHUNK_GROWTH = 4
 # A load of more keys than this keys and checks only its first chunk before that chunk's copy is
 # queued, each later chunk's keys with its bookkeeping (`_load_now`'s `more`): keying and checking
 # 4,096 keys up front took 0.35-0.4 ms of a 2-core VM, which the link spent idle.
