@@ -97,11 +97,41 @@ class SlotList:
     def extend(self, slots: list[int]) -> None:
         """`append` of each slot, in order (a slot listed twice ends where its last append puts it)."""
         if len(slots) < BULK or len(set(slots)) != len(slots):
-            append = self.append
-            for slot in slots:
-                append(slot)
+            self._append_each(slots)
             return
         self.extend_distinct(np.asarray(slots, dtype=np.int64))
+
+    def _append_each(self, slots) -> None:
+        """`append` of each slot in order, the linking inline (a short batch: no call per slot)."""
+        nxt, prv, member, head = self._next, self._prev, self._member, self._head
+        added = 0
+        for slot in slots:
+            if member[slot]:
+                p, n = prv[slot], nxt[slot]
+                nxt[p] = n
+                prv[n] = p
+            else:
+                member[slot] = 1
+                added += 1
+            last = prv[head]
+            nxt[last] = slot
+            prv[slot] = last
+            nxt[slot] = head
+            prv[head] = slot
+        self._len += added
+
+    def _discard_each(self, slots) -> None:
+        """`discard` of each slot, the unlinking inline (a short batch: no call per slot)."""
+        nxt, prv, member = self._next, self._prev, self._member
+        gone = 0
+        for slot in slots:
+            if member[slot]:
+                p, n = prv[slot], nxt[slot]
+                nxt[p] = n
+                prv[n] = p
+                member[slot] = 0
+                gone += 1
+        self._len -= gone
 
     def extend_unlisted(self, slots: list[int]) -> None:
         """`extend` of a short list of distinct slots none of which is listed (no check): one
@@ -120,9 +150,7 @@ class SlotList:
     def extend_distinct(self, new: np.ndarray) -> None:
         """`extend` of an int64 array of slots the caller knows to be distinct (no check)."""
         if new.size < BULK:
-            append = self.append
-            for slot in new.tolist():
-                append(slot)
+            self._append_each(new.tolist())
             return
         listed = new[self._np_member[new] != 0]
         if listed.size:
@@ -147,18 +175,14 @@ class SlotList:
         neighbours are linked to each other; leaving slots that form one run of the order (a
         load of pages committed together) skip the jumping: the run's two ends give them."""
         if len(slots) < BULK:
-            discard = self.discard
-            for slot in slots:
-                discard(slot)
+            self._discard_each(slots)
             return
         self._discard_sorted(first_of_each(np.asarray(slots, dtype=np.int64))[0])
 
     def discard_distinct(self, slots: np.ndarray) -> None:
         """`discard_many` of an int64 array of slots the caller knows to be distinct."""
         if slots.size < BULK:
-            discard = self.discard
-            for slot in slots.tolist():
-                discard(slot)
+            self._discard_each(slots.tolist())
             return
         self._discard_sorted(np.sort(slots))
 

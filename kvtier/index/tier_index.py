@@ -179,12 +179,13 @@ class TierIndex:
         # Three loops, one per kind of change, each as short as it can be: this loop runs for
         # every page of every call. A slot is in the eviction order exactly when its state is
         # evictable and it is neither pinned nor busy.
-        # A long batch hands its eviction-order changes over in one call at the end (numpy).
-        adds, removes = ([], []) if len(slots) >= BULK else (None, None)
+        # The eviction-order changes go over in one call at the end (numpy for a long batch, one
+        # inline loop for a short one).
+        adds, removes = [], []
         listing = None
         if new == _FREE:
             unbind, hits, free = self.table.unbind, self.hits, self.free
-            remove = self.policy.remove if removes is None else removes.append
+            remove = removes.append
             for slot in slots:
                 old = state[slot]
                 if not legal[old]:
@@ -204,7 +205,7 @@ class TierIndex:
                 free.append(slot)
                 count += 1
         elif not busy_delta:
-            add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
+            add, remove = adds.append, removes.append
             # Slots turning DIRTY join the dirty list at the end, in one chain after the loop
             # (each is off it by then: a slot that was DIRTY left it first), unless one repeats.
             listing = [] if into_dirty else None
@@ -225,7 +226,7 @@ class TierIndex:
                     else:
                         remove(slot)
         else:
-            add, remove = (self.policy.add, self.policy.remove) if adds is None else (adds.append, removes.append)
+            add, remove = adds.append, removes.append
             listing = [] if into_dirty else None
             for slot in slots:
                 old = state[slot]
@@ -361,7 +362,7 @@ class TierIndex:
         slots = free[len(free) - n :].tolist()
         slots.reverse()
         del free[len(free) - n :]
-        state, pins, busy, bind = self.state, self.pins, self.busy, self.table.bind
+        state, pins, busy = self.state, self.pins, self.busy
         loading = int(S.LOADING)
         if n >= BULK:  # free slots never repeat
             self.table.bind_many(kids, slots)
@@ -370,8 +371,8 @@ class TierIndex:
             self._np_busy[at] = 1
             self._np_pins[at] = 1
         else:
-            for slot, kid in zip(slots, kids):
-                bind(kid, slot)
+            self.table.bind_many(kids, slots)  # below BIND_MANY one inline loop, no call per id
+            for slot in slots:
                 state[slot] = loading
                 busy[slot] = 1
                 pins[slot] = 1
@@ -469,8 +470,8 @@ class TierIndex:
         """Drop one engine hold on each slot (every one must be held); returns the slots left
         unheld in FILLING and idle, which the caller frees."""
         pins, state, busy = self.pins, self.state, self.busy
-        adds = [] if len(slots) >= BULK else None
-        evictable, add = _EVICTABLE, self.policy.add if adds is None else adds.append
+        adds: list[int] = []
+        evictable, add = _EVICTABLE, adds.append
         filling = int(S.FILLING)
         idle_filling = []
         for slot in slots:
@@ -532,17 +533,17 @@ class TierIndex:
                 hits[at] = np.minimum(hits[at].astype(np.int16) + 1, _HITS_MAX)
             return
         busy, hits = self.busy, self.hits
-        removes = [] if len(slots) >= BULK else None
-        remove = self.policy.remove if removes is None else removes.append
+        idle = 0
         for slot in slots:
             if not busy[slot]:
-                self.busy_slots += 1
+                idle += 1
             busy[slot] += 1
-            remove(slot)
             if touch and hits[slot] < _HITS_MAX:
                 hits[slot] += 1
-        if removes:
-            self.policy.remove_many(removes)
+        self.busy_slots += idle
+        # Out of the eviction order in one call (no call per slot): a repeated slot leaves once,
+        # as its first `remove` would have left it.
+        self.policy.remove_many(slots if isinstance(slots, (list, tuple)) else list(slots))
 
     def unhold_all(self, slots: Iterable[int], distinct: bool = False) -> None:
         at = self._unique_slots(slots, distinct)
@@ -557,8 +558,8 @@ class TierIndex:
                     self.policy.add_many_distinct(joining)
                 return
         busy, pins, state = self.busy, self.pins, self.state
-        adds = [] if len(slots) >= BULK else None
-        evictable, add = _EVICTABLE, self.policy.add if adds is None else adds.append
+        adds = []
+        evictable, add = _EVICTABLE, adds.append
         for slot in slots:
             left = busy[slot] - 1
             assert left >= 0, f"{self.name} slot {slot} has no copy in flight"
@@ -567,7 +568,7 @@ class TierIndex:
                 self.busy_slots -= 1
                 if not pins[slot] and evictable[state[slot]]:
                     add(slot)
-        if adds:
+        if adds:  # into the eviction order in one call, in order (no call per slot)
             self.policy.add_many(adds)
 
     def touch(self, slot: int) -> None:
