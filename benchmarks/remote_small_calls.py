@@ -9,6 +9,11 @@ so whatever the store left in the page cache) and cold (the page cache of the se
 dropped before each call, so every read reaches the device). Each repeat opens a fresh store;
 gets read pages the same run wrote.
 
+Sets are timed twice: into a fresh store's never-written slots (the file system allocates each
+record's blocks as its sync writes them back), and into slots freed by deleting the first
+pages (``set reused``, after the store's reuse delay): what every set costs once a store has
+filled and recycles its slots.
+
 ``--nixl-floor`` also times a bare NIXL read of one page (``--page-kib``) from a registered
 file into registered memory through the POSIX backend (no index, no checksum): what any
 NIXL-based path pays per request.
@@ -39,6 +44,7 @@ from kvtier.index.keys import key_ids  # noqa: E402
 from kvtier.tiers.remote import RemoteStore, load_nixl_api  # noqa: E402
 
 NAMESPACE = "5a11ca11"
+REUSE_WAIT_S = 2.1  # past RemoteStore's default reuse_delay_s (2 s)
 
 
 def cpu_us(fn, calls: int) -> float:
@@ -105,11 +111,28 @@ def measure_store(directory: str, page_bytes: int, batch: int, calls: int) -> di
         cold_us = get_us(cold=True)
         asked = iter(groups * 4)
         exists_us = cpu_us(lambda: store.contains_ids([ids[i] for i in next(asked)]), calls)
+        # The same number of sets again, into the slots of the pages deleted now (the store
+        # hands a freed slot out again after reuse_delay_s).
+        store.delete_ids(ids)
+        time.sleep(REUSE_WAIT_S)
+        free_before = store.stats()["free_slots"]
+        again = key_ids(f"again-{i}" for i in range(total))
+        position = iter(groups)
+
+        def put_again() -> None:
+            group = next(position)
+            if not all(store.put_ids([again[i] for i in group], [source[i] for i in group])):
+                raise RuntimeError("put failed")
+
+        reused_us = cpu_us(put_again, calls)
         stats = store.stats()
     finally:
         store.close()
     return {
         "put_us_per_page": put_us / batch,
+        "put_reused_us_per_page": reused_us / batch,
+        "free_slots_before_reuse": free_before,
+        "free_slots_after_reuse": stats["free_slots"],
         "get_us_per_page": warm_us / batch,
         "cold_get_us_per_page": cold_us / batch,
         "exists_us_per_page": exists_us / batch,
@@ -186,13 +209,14 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"CPU µs per page, {args.page_kib} KiB pages, median of {args.repeat} runs")
-    print(f"{'batch':>6} {'get':>8} {'set':>8} {'exists':>8} {'cold get':>9}")
+    print(f"{'batch':>6} {'get':>8} {'set':>8} {'set reused':>11} {'exists':>8} {'cold get':>9}")
     summary = {}
     for batch, runs in results["runs"].items():
         row = {name: statistics.median(r[f"{name}_us_per_page"] for r in runs)
-               for name in ("get", "put", "exists", "cold_get")}
+               for name in ("get", "put", "put_reused", "exists", "cold_get")}
         summary[batch] = row
-        print(f"{batch:>6} {row['get']:8.1f} {row['put']:8.1f} {row['exists']:8.2f} {row['cold_get']:9.1f}")
+        print(f"{batch:>6} {row['get']:8.1f} {row['put']:8.1f} {row['put_reused']:11.1f} {row['exists']:8.2f} "
+              f"{row['cold_get']:9.1f}")
     if "nixl_floor_read_us" in results:
         print(f"bare NIXL {args.page_kib} KiB read: {results['nixl_floor_read_us']:.1f} µs CPU")
     results["summary"] = summary
