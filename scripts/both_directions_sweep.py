@@ -40,6 +40,7 @@ what is left, recorded as skipped. Results: $OUT/both_directions_sweep.json (OUT
     OUT=/tmp/out python scripts/both_directions_sweep.py            # about 2-3 minutes
     python scripts/both_directions_sweep.py --sizes 16,64 --quick    # a smoke run
     python scripts/both_directions_sweep.py --variants cur --rows 'k:cur@sm$|^ce[:-]'   # copy-engine rows
+    python scripts/both_directions_sweep.py --variants cur --rows '^ce-ctypes' --threads  # a thread a direction
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -115,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", default="", help="only rows whose label matches this regular expression")
     parser.add_argument("--quick", action="store_true", help="fewer variants and reps (a smoke run)")
     parser.add_argument("--no-gate", action="store_true", help="do not hold the streams until everything is enqueued")
+    parser.add_argument("--threads", action="store_true",
+                        help="each direction queues from a thread of its own (as the pool's offload thread beside a "
+                             "loading caller); submit ms is then the wall time until both have queued")
     parser.add_argument("--seed", type=int, default=25)
     parser.add_argument("--compile-check", metavar="SM", default="",
                         help="no GPU: compile every kernel variant with NVRTC for sm_SM (e.g. 90) and exit")
@@ -447,10 +452,13 @@ class Sweep:
             start.record(first)
             for index, _ in lanes[1:]:
                 self.streams[index].wait_event(start)
-            t0 = time.perf_counter()
-            for (index, call), end in zip(lanes, ends):
-                call()
-            submit = (time.perf_counter() - t0) * 1e3
+            if self.args.threads and len(lanes) > 1:
+                submit = self._submit_threads([call for _, call in lanes], self.device)
+            else:
+                t0 = time.perf_counter()
+                for (index, call), end in zip(lanes, ends):
+                    call()
+                submit = (time.perf_counter() - t0) * 1e3
             for (index, _), end in zip(lanes, ends):
                 end.record(self.streams[index])
         finally:
@@ -458,6 +466,33 @@ class Sweep:
         for index, _ in lanes:
             self.streams[index].synchronize()
         return max(start.elapsed_time(end) for end in ends), submit
+
+    def _submit_threads(self, calls: list, device) -> float:
+        """Run each call on a thread of its own (the device's context made current there first),
+        all released at once; ms until the last returns."""
+        barrier = threading.Barrier(len(calls) + 1)
+        errors: list = []
+
+        def run(call):
+            self.torch.cuda.set_device(device)
+            self.torch.cuda.current_stream(device).synchronize()  # the primary context, current here
+            barrier.wait()
+            try:
+                call()
+            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
+                errors.append(error)
+
+        workers = [threading.Thread(target=run, args=(call,)) for call in calls]
+        for worker in workers:
+            worker.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for worker in workers:
+            worker.join()
+        submit = (time.perf_counter() - t0) * 1e3
+        if errors:
+            raise errors[0]
+        return submit
 
     def measure(self, lanes: list, nbytes: int) -> dict:
         for _ in range(self.args.warmup):
