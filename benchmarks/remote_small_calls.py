@@ -70,15 +70,21 @@ def measure_store(directory: str, page_bytes: int, batch: int, calls: int) -> di
         ids = key_ids(f"small-{i}" for i in range(total))
         groups = [list(range(s, s + batch)) for s in range(0, total, batch)]
         dest_pages = list(dest)
-        position = iter(groups)
 
-        def put() -> None:
-            group = next(position)
-            if not all(store.put_ids([ids[i] for i in group], [source[i] for i in group])):
-                raise RuntimeError("put failed")
+        def puts(keys: list[bytes]):
+            """(one put of the next group of ``keys`` a call, the groups not put yet)."""
+            position = iter(groups)
 
+            def put() -> None:
+                group = next(position)
+                if not all(store.put_ids([keys[i] for i in group], [source[i] for i in group])):
+                    raise RuntimeError("put failed")
+
+            return put, position
+
+        put, rest = puts(ids)
         put_us = cpu_us(put, calls)
-        for group in position:
+        for group in rest:
             store.put_ids([ids[i] for i in group], [source[i] for i in group])
         segments = os.path.join(store.directory, "segments")
 
@@ -116,14 +122,7 @@ def measure_store(directory: str, page_bytes: int, batch: int, calls: int) -> di
         store.delete_ids(ids)
         time.sleep(REUSE_WAIT_S)
         free_before = store.stats()["free_slots"]
-        again = key_ids(f"again-{i}" for i in range(total))
-        position = iter(groups)
-
-        def put_again() -> None:
-            group = next(position)
-            if not all(store.put_ids([again[i] for i in group], [source[i] for i in group])):
-                raise RuntimeError("put failed")
-
+        put_again, _ = puts(key_ids(f"again-{i}" for i in range(total)))
         reused_us = cpu_us(put_again, calls)
         stats = store.stats()
     finally:
