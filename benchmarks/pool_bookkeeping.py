@@ -17,6 +17,11 @@ fresh keys (prefix keys at page size 1) in a pool sized for every round, so no c
 
     python benchmarks/pool_bookkeeping.py [--pages 16,256,4096] [--rounds N] [--json out.json]
     python benchmarks/pool_bookkeeping.py --pages 8192
+    python benchmarks/pool_bookkeeping.py --layer-ordered   # pools with layer_ordered_loads=True
+
+With --layer-ordered the engine copies subsets of layers too (as the CUDA engine does), so loads of
+more than one chunk take the layer-ordered chunk plan (chunks growing 2x instead of 4x); the pages
+are so small that no chunk defers its other layers, so the two runs differ in the chunk plan only.
 
 Run each revision's own copy of the script (it puts its own checkout first on sys.path) to
 compare revisions.
@@ -57,6 +62,15 @@ class FirstCopyEngine(NoCopyEngine):
         return super().reload(host_slots, device_slots, ready)
 
 
+class LayersFirstCopyEngine(FirstCopyEngine):
+    """FirstCopyEngine that also copies a subset of layers (what layer-ordered loads split by)."""
+
+    reloads_layers = True
+
+    def reload_layers(self, host_slots, device_slots, layers, ready=None):
+        return self.reload(host_slots, device_slots, ready)
+
+
 def _timed(fn):
     t = time.perf_counter()
     out = fn()
@@ -69,9 +83,10 @@ def _load(pool, keys, slots=None) -> list[int]:
     return handle.slots
 
 
-def run_batch(n: int, rounds: int, seed: int) -> dict:
+def run_batch(n: int, rounds: int, seed: int, layer_ordered: bool = False) -> dict:
     pool = TieredPool(PageFormat(**FORMAT), device="cpu", device_pages=2 * n, host_pages=n * (rounds + 2),
-                      write_policy="write_back", engine=FirstCopyEngine, registry=CollectorRegistry())
+                      write_policy="write_back", engine=LayersFirstCopyEngine if layer_ordered else FirstCopyEngine,
+                      registry=CollectorRegistry(), layer_ordered_loads=layer_ordered)
     rng = np.random.default_rng(seed)
     samples: dict[str, list[float]] = {op: [] for op in OPS}
     # The calls back to back (no collection in between): each round's keys are new, the
@@ -115,11 +130,13 @@ def main() -> None:
     ap.add_argument("--pages", default="16,256,4096", help="comma-separated batch sizes (e.g. 16,256,4096,8192)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds per batch size (median; default 4096 / pages, at least 9, at most 101)")
+    ap.add_argument("--layer-ordered", action="store_true", help="pools with layer_ordered_loads=True")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     sizes = [int(p) for p in args.pages.split(",")]
-    rows = [run_batch(n, args.rounds or max(9, min(101, 4096 // n)), seed=n) for n in sizes]
-    print(f"µs per page (µs per call), median of {args.rounds or '4096 / pages'} rounds; torch {torch.__version__}, CPU tensors")
+    rows = [run_batch(n, args.rounds or max(9, min(101, 4096 // n)), seed=n, layer_ordered=args.layer_ordered) for n in sizes]
+    print(f"µs per page (µs per call), median of {args.rounds or '4096 / pages'} rounds; torch {torch.__version__}, CPU tensors"
+          + (", layer-ordered loads" if args.layer_ordered else ""))
     print(f"{'pages':>7}" + "".join(f"{op:>20}" for op in OPS))
     for row in rows:
         print(f"{row['pages']:>7}" + "".join(
@@ -127,7 +144,7 @@ def main() -> None:
     if args.json:
         out = {"benchmark": "pool_bookkeeping", "date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
                "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "format": FORMAT,
-               "rounds": args.rounds, "rows": rows}
+               "rounds": args.rounds, "layer_ordered": args.layer_ordered, "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 

@@ -84,15 +84,23 @@ def test_a_large_load_is_copied_in_growing_chunks_and_lands_bit_exact(registry, 
     pool.evict(keys=keys[10:])  # 10 stay on the device, 160 come from the host
     pool.engine.reloads.clear()
     handle = pool.load(keys)
-    first, growth = loading._FIRST_CHUNK, loading._CHUNK_GROWTH
-    # Chunks cut the keys (device pages included) at 32, then 128 more, and the last 10 ride
-    # with those (a tail shorter than half the next chunk): the device pages are in the first
-    # chunk, so it reloads 22 pages, the second 138.
-    assert pool.engine.reloads == [first - 10, 170 - first]
+    first = loading._FIRST_CHUNK
+    growth = loading._SPLIT_CHUNK_GROWTH if ordered else loading._CHUNK_GROWTH
+    if ordered:
+        # Chunks grow 2x: the keys (device pages included) are cut at 32, then 64 more, then the
+        # last 74 (under the next chunk's 128, not under half of it: a chunk of their own). The
+        # device pages are in the first chunk, so it reloads 22 pages.
+        assert growth == 2
+        assert pool.engine.reloads == [first - 10, first * growth, 170 - first - first * growth]
+        assert 170 - first - first * growth >= first * growth * growth // 2
+    else:
+        # Chunks grow 4x: cut at 32, then 128 more, and the last 10 ride with those (a tail
+        # shorter than half the next chunk): the first chunk reloads 22 pages, the second 138.
+        assert pool.engine.reloads == [first - 10, 170 - first]
+        assert 170 - first - first * growth < first * growth * growth // 2
     # Layer-ordered: each chunk copied its first layer; the other layers of all 160 follow in
     # one call. Otherwise each chunk copied every layer.
     assert pool.engine.rests == ([(160, range(1, pool.fmt.num_layers))] if ordered else [])
-    assert 170 - first - first * growth < first * growth * growth // 2
     for layer in range(pool.fmt.num_layers):
         handle.wait_layer(layer)
     handle.synchronize()
@@ -115,7 +123,8 @@ def test_chunks_copy_every_layer_while_the_link_would_wait_for_bookkeeping(regis
     pool.evict(keys=keys)
     pool.engine.reloads.clear()
     handle = pool.load(keys)
-    assert pool.engine.reloads == [loading._FIRST_CHUNK, 170 - loading._FIRST_CHUNK] and pool.engine.rests == []
+    first, second = loading._FIRST_CHUNK, loading._FIRST_CHUNK * loading._SPLIT_CHUNK_GROWTH
+    assert pool.engine.reloads == [first, second, 170 - first - second] and pool.engine.rests == []
     for layer in range(pool.fmt.num_layers):
         handle.wait_layer(layer)
     handle.synchronize()

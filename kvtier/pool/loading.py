@@ -32,12 +32,16 @@ log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever 
 _LOAD_PATIENCE_S = 30.0
 # A load submits its copies in chunks of this many pages, then _CHUNK_GROWTH times more each time:
 # the first bytes move after little bookkeeping, and a load of thousands of pages makes few copies.
-# Growth 2 was tried (H200, 2026-12-06): a prefetched 8 x 8k decode step 11.92-12.33 against
-# 12.02-12.61 ms, but each chunk costs the host 75-95 µs of bookkeeping on a 2-core VM whatever
-# the tiers' size, so a load of 256 pages returned 75-95 µs later and one of 1,024 190 µs later
-# (one and two more chunks): the win needs a cheaper chunk first.
 _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
+# A layer-ordered load's chunks grow 2x instead: the link waits less for the early chunks'
+# bookkeeping (a 128-page second chunk takes longer to book than the first chunk's 32 pages take
+# to copy), at the cost of more chunks. Measured on an H200 (2026-12-06, prefetched 8 x 8k decode
+# step from graphs, five rounds): 11.92-12.33 ms (median 12.07) against 12.02-12.61 (12.46) at
+# growth 4. The extra chunks cost the host 70-95 µs a 256-page load and 170-190 µs a 1,024-page
+# one on a 2-core VM, which is why plain loads keep growth 4: a caller asks for layer-ordered loads
+# when the link, not its thread, bounds the step.
+_SPLIT_CHUNK_GROWTH = 2
 # A load of more keys than this keys and checks only its first chunk before that chunk's copy is
 # queued, each later chunk's keys with its bookkeeping (`_load_now`'s `more`): keying and checking
 # 4,096 keys up front took 0.35-0.4 ms of a 2-core VM, which the link spent idle.
@@ -86,7 +90,8 @@ class Loading:
         Device pages are held where they are; host pages land in new slots keyed at once
         (FREE -> LOADING).
 
-        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, up to
+        Keys are taken in chunks (_FIRST_CHUNK pages, then _CHUNK_GROWTH times more each time, or
+        _SPLIT_CHUNK_GROWTH times for a load split by layer, up to
         _CHUNK_BYTES; after the first, a tail under half the next chunk joins the one before it), each
         chunk's copy submitted before the next chunk's bookkeeping, so a large load's bytes start moving
         after one small chunk of Python. A chunk that finds a key it cannot load now cancels the chunks
@@ -123,10 +128,11 @@ class Loading:
         queued_s, started_at = 0.0, time.perf_counter()
         page_s = self.fmt.page_bytes / _LINK_BYTES_PER_S
         pos, chunk = 0, _FIRST_CHUNK
+        growth = _SPLIT_CHUNK_GROWTH if split else _CHUNK_GROWTH
         largest = max(MANY, _CHUNK_BYTES // self.fmt.page_bytes)  # MANY: host lookups stay in numpy
         seen = set(ids) if more else None  # keys so far, to find a repeat chunk by chunk
         while pos < total:
-            end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
+            end, chunk = pos + chunk, min(chunk * growth, largest)
             end = total if pos and total - end < chunk // 2 else min(end, total)
             if end > len(ids):  # this chunk's keys, while the copies queued so far move
                 try:

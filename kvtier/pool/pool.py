@@ -103,9 +103,12 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
     whose other layers follow layer by layer (with an engine that copies a subset of layers), so
     layer 0 lands soon after the bookkeeping ends and attention overlaps the copies of the next
     layers: a prefetched 8 x 8k decode step from CUDA graphs took 12.85-12.96 ms against
-    13.77-14.04 without it (H100, 2026-12-06). Off by default: the earlier form (every chunk
-    split) cost a 256-page load twice the host time on an H100 host, and this one has not been
-    measured on small loads yet (BENCHMARKS.md, "Time to first token and prefetched decode").
+    13.77-14.04 without it (H100, 2026-12-06). Such a load's chunks grow 2x instead of 4x, so
+    the link waits less for the early chunks' bookkeeping (H200: 12.07 ms median against 12.46
+    for that step), at 70-95 µs more host time for a 256-page load on a 2-core VM. Off by
+    default: the earlier form (every chunk split) cost a 256-page load twice the host time on an
+    H100 host, and this one has not been measured on small loads yet (BENCHMARKS.md, "Time to
+    first token and prefetched decode").
     """
 
     def __init__(
