@@ -474,9 +474,15 @@ class Sweep:
         errors: list = []
 
         def run(call):
-            self.torch.cuda.set_device(device)
-            self.torch.cuda.current_stream(device).synchronize()  # the primary context, current here
-            barrier.wait()
+            try:
+                self.torch.cuda.set_device(device)
+                self.torch.cuda.current_stream(device).synchronize()  # the primary context, current here
+            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
+                errors.append(error)
+                call = None
+            barrier.wait()  # reached even when the set-up failed, so no thread waits forever
+            if call is None:
+                return
             try:
                 call()
             except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
