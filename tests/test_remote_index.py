@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -129,6 +130,56 @@ def test_every_batch_operation_touches_a_bounded_number_of_rows_per_transaction(
     assert sum(counted) == len(names)
     assert max(counted) <= ROWS_PER_TRANSACTION
     assert exact_counts(index, NS_A) == index.stats(NS_A)
+
+
+def test_touch_asks_for_one_flush_until_a_flush_takes_the_hits(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.tiers.remote.index.TOUCH_FLUSH_PAGES", 4)
+    index = open_index(tmp_path)
+    keys = fill(index, NS_A, [f"k{i}" for i in range(12)])
+
+    def last_access() -> dict[bytes, int]:
+        return dict(index._db.execute("SELECT key, last_access FROM pages WHERE ns = ?", (NS_A,)))
+
+    before = last_access()
+    asked = [index.touch(NS_A, [key]) for key in keys[:9]]
+    # The 4th hit asks; the hits after it ride on that flush instead of asking again.
+    assert asked == [False, False, False, True, False, False, False, False, False]
+    index.flush_touches()
+    after = last_access()
+    assert all(after[k] > before[k] for k in keys[:9])
+    assert all(after[k] == before[k] for k in keys[9:])
+    # Once a flush took them, the next due batch asks again.
+    assert [index.touch(NS_A, [key]) for key in keys[9:]] + [index.touch(NS_A, [keys[0]])] == [False, False, False, True]
+    index.close()
+
+
+def test_touches_from_many_threads_all_land_with_few_flushes(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.tiers.remote.index.TOUCH_FLUSH_PAGES", 16)
+    index = open_index(tmp_path)
+    keys = fill(index, NS_A, [f"k{i}" for i in range(400)])
+    before = dict(index._db.execute("SELECT key, last_access FROM pages WHERE ns = ?", (NS_A,)))
+    asked = []
+    barrier = threading.Barrier(4)
+
+    def hits(part: list[bytes]) -> None:
+        barrier.wait()
+        for key in part:
+            if index.touch(NS_A, [key]):
+                asked.append(key)
+                index.flush_touches_later()
+
+    threads = [threading.Thread(target=hits, args=(keys[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    index.flush_touches()
+    index._background.submit(lambda: None).result()  # flushes queued before this one have run
+    after = dict(index._db.execute("SELECT key, last_access FROM pages WHERE ns = ?", (NS_A,)))
+    assert all(after[k] > before[k] for k in keys)  # every hit was written
+    # At most one request per 16 hits (one per flush that took hits), never one per hit.
+    assert 1 <= len(asked) <= len(keys) // 16
+    index.close()
 
 
 def test_stats_read_counters_only_and_they_stay_exact(tmp_path):

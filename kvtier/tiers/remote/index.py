@@ -137,6 +137,7 @@ class RemoteIndex(IndexPublication, IndexSlots, IndexTransactions, IndexReads):
         self._txn_removed: list[tuple[bytes, bytes]] = []
         self._txn_bumps = 0
         self._oldest_touch = 0.0
+        self._touch_flush_asked = False  # a touch asked for a flush that has not swapped the hits out yet
         self._last_reclaim = 0.0
         self._background = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-index")
         self._checkpoint_pending = False
@@ -215,15 +216,22 @@ class RemoteIndex(IndexPublication, IndexSlots, IndexTransactions, IndexReads):
     def touch(self, ns: bytes, keys: Iterable[bytes]) -> bool:
         """Record hits for LRU, written before this index's next write. Returns True when enough
         are buffered (``TOUCH_FLUSH_PAGES``, or older than ``TOUCH_FLUSH_S``) that the caller
-        should call ``flush_touches``, from a thread of its choice."""
+        should call ``flush_touches``, from a thread of its choice. Asks once until a flush
+        takes the buffered hits: a hit arriving while an asked-for flush is still queued or
+        writing adds to the next one instead of asking again (a caller that reads many pages a
+        second would otherwise queue a flush with nearly every call)."""
         with self._touch_lock:
             if not self._pending_touches:
                 self._oldest_touch = time.monotonic()
             self._pending_touches.extend((ns, key) for key in keys)
-            return (
+            if self._touch_flush_asked:
+                return False
+            due = (
                 len(self._pending_touches) >= TOUCH_FLUSH_PAGES
                 or time.monotonic() - self._oldest_touch >= TOUCH_FLUSH_S
             )
+            self._touch_flush_asked = due
+            return due
 
     def flush_touches(self) -> None:
         """Write buffered hits (in bounded transactions)."""
@@ -231,6 +239,7 @@ class RemoteIndex(IndexPublication, IndexSlots, IndexTransactions, IndexReads):
             return
         with self._touch_lock:
             touches, self._pending_touches = self._pending_touches, []
+            self._touch_flush_asked = False
 
         def write(db: sqlite3.Connection, step: Sequence[tuple[bytes, bytes]]) -> None:
             first = self._tick(db, len(step))
