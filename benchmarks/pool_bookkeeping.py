@@ -18,10 +18,16 @@ fresh keys (prefix keys at page size 1) in a pool sized for every round, so no c
     python benchmarks/pool_bookkeeping.py [--pages 16,256,4096] [--rounds N] [--json out.json]
     python benchmarks/pool_bookkeeping.py --pages 8192
     python benchmarks/pool_bookkeeping.py --layer-ordered   # pools with layer_ordered_loads=True
+    python benchmarks/pool_bookkeeping.py --scattered       # the host tier's order scattered first
 
 With --layer-ordered the engine copies subsets of layers too (as the CUDA engine does), so loads of
 more than one chunk take the layer-ordered chunk plan (chunks growing 2x instead of 4x); the pages
 are so small that no chunk defers its other layers, so the two runs differ in the chunk plan only.
+
+With --scattered each round's pages, once flushed, are loaded again 16 at a time, 8 of them and
+8 pages of other requests, in a random order (untimed), so in the host tier's eviction order they
+lie scattered as pages served to many requests do, instead of in one run as committed together;
+the timed match and loads then take them out of that order piece by piece.
 
 Run each revision's own copy of the script (it puts its own checkout first on sys.path) to
 compare revisions.
@@ -83,11 +89,35 @@ def _load(pool, keys, slots=None) -> list[int]:
     return handle.slots
 
 
-def run_batch(n: int, rounds: int, seed: int, layer_ordered: bool = False) -> dict:
+def _scatter(pool, keys, others, rng) -> None:
+    """Load `keys` and as many of `others` 16 at a time, 8 of each, in a random order, so the
+    host tier's order holds `keys` scattered among `others`."""
+    mine, theirs = rng.permutation(len(keys)), rng.permutation(len(others))[: len(keys)]
+    for at in range(0, len(keys), 8):
+        picked = [keys[i] for i in mine[at : at + 8]] + [others[i] for i in theirs[at : at + 8]]
+        _load_and_let_go(pool, [picked[i] for i in rng.permutation(len(picked))])
+
+
+def _load_and_let_go(pool, keys) -> None:
+    handle = pool.load(keys)
+    handle.wait()
+    pool.release(handle.slots)
+    pool.evict(tier="device", keys=keys)
+
+
+def run_batch(n: int, rounds: int, seed: int, layer_ordered: bool = False, scattered: bool = False) -> dict:
     pool = TieredPool(PageFormat(**FORMAT), device="cpu", device_pages=2 * n, host_pages=n * (rounds + 2),
                       write_policy="write_back", engine=LayersFirstCopyEngine if layer_ordered else FirstCopyEngine,
                       registry=CollectorRegistry(), layer_ordered_loads=layer_ordered)
     rng = np.random.default_rng(seed)
+    others = []
+    if scattered:  # pages of other requests, in the host tier for the whole run
+        others = prefix_keys(rng.integers(0, 2**31, n), 1, pool.namespace)
+        slots = pool.allocate(n)
+        pool.commit(others, slots)
+        pool.release(slots)
+        pool.flush()
+        pool.evict(tier="device", keys=others)
     samples: dict[str, list[float]] = {op: [] for op in OPS}
     # The calls back to back (no collection in between): each round's keys are new, the
     # tables and the CPU caches warm, as in a serving loop.
@@ -102,6 +132,8 @@ def run_batch(n: int, rounds: int, seed: int, layer_ordered: bool = False) -> di
             t_flush, left = _timed(pool.flush)
             assert left == 0
             pool.evict(tier="device", keys=keys)
+            if scattered:
+                _scatter(pool, keys, others, rng)
             t_match, m = _timed(lambda: pool.match(keys))
             assert m.host == n, m
             FirstCopyEngine.first = None
@@ -131,12 +163,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds per batch size (median; default 4096 / pages, at least 9, at most 101)")
     ap.add_argument("--layer-ordered", action="store_true", help="pools with layer_ordered_loads=True")
+    ap.add_argument("--scattered", action="store_true",
+                    help="scatter each round's pages in the host tier's eviction order first (untimed)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     sizes = [int(p) for p in args.pages.split(",")]
-    rows = [run_batch(n, args.rounds or max(9, min(101, 4096 // n)), seed=n, layer_ordered=args.layer_ordered) for n in sizes]
+    rows = [run_batch(n, args.rounds or max(9, min(101, 4096 // n)), seed=n, layer_ordered=args.layer_ordered,
+                      scattered=args.scattered) for n in sizes]
     print(f"µs per page (µs per call), median of {args.rounds or '4096 / pages'} rounds; torch {torch.__version__}, CPU tensors"
-          + (", layer-ordered loads" if args.layer_ordered else ""))
+          + (", layer-ordered loads" if args.layer_ordered else "") + (", scattered host order" if args.scattered else ""))
     print(f"{'pages':>7}" + "".join(f"{op:>20}" for op in OPS))
     for row in rows:
         print(f"{row['pages']:>7}" + "".join(
@@ -144,7 +179,7 @@ def main() -> None:
     if args.json:
         out = {"benchmark": "pool_bookkeeping", "date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
                "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "format": FORMAT,
-               "rounds": args.rounds, "layer_ordered": args.layer_ordered, "rows": rows}
+               "rounds": args.rounds, "layer_ordered": args.layer_ordered, "scattered": args.scattered, "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 

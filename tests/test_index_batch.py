@@ -422,6 +422,61 @@ def test_discard_many_of_one_stretch_or_all_keeps_the_order(monkeypatch):
         assert list(batch) == list(one) and _walk_back(batch) == list(one) and len(batch) == len(one), trial
 
 
+def test_batches_leaving_many_runs_keep_the_order_whatever_joined_them(monkeypatch):
+    """discard_distinct (any order of its slots) and discard_many pair each run of leaving slots'
+    ends by when its slots joined: joins by append, move_to_end, extend (loop and numpy),
+    extend_unlisted and extend_distinct, interleaved, against one append / discard at a time."""
+    rng = random.Random(7)
+    for trial in range(120):
+        capacity = rng.choice([5, 64, 700])
+        ref, batch = SlotList(capacity), SlotList(capacity)
+        for _ in range(25):
+            op = rng.randrange(6)
+            if op == 0:  # single joins (append, or move_to_end of a listed slot)
+                for slot in rng.sample(range(capacity), rng.randint(1, min(capacity, 8))):
+                    if slot in ref and rng.random() < 0.5:
+                        ref.move_to_end(slot)
+                        batch.move_to_end(slot)
+                    else:
+                        ref.append(slot)
+                        batch.append(slot)
+            elif op in (1, 2):  # a batch joins: numpy or the loops, listed slots move to the end
+                slots = rng.sample(range(capacity), rng.randint(0, capacity))
+                for slot in slots:
+                    ref.append(slot)
+                monkeypatch.setattr(slot_list, "BULK", 1 if op == 1 else 10**9)
+                if op == 1 and slots:
+                    batch.extend_distinct(np.array(slots, dtype=np.int64))
+                else:
+                    batch.extend(slots)
+            elif op == 3:  # unlisted slots join in one chain
+                slots = [s for s in rng.sample(range(capacity), rng.randint(0, capacity)) if s not in ref]
+                for slot in slots:
+                    ref.append(slot)
+                batch.extend_unlisted(slots)
+            else:  # a batch leaves: several runs, scattered slots, unlisted ones, any order
+                listed = list(ref)
+                gone: list[int] = []
+                for _ in range(rng.randint(1, 6)):
+                    if listed:
+                        i = rng.randrange(len(listed))
+                        gone += listed[i : i + rng.randint(1, 40)]
+                gone += rng.sample(range(capacity), min(capacity, rng.randint(0, 5)))
+                gone = list(dict.fromkeys(gone))
+                rng.shuffle(gone)
+                for slot in gone:
+                    ref.discard(slot)
+                monkeypatch.setattr(slot_list, "BULK", 1)
+                if op == 4:
+                    batch.discard_distinct(np.array(gone, dtype=np.int64))
+                else:
+                    batch.discard_many(gone + gone[: len(gone) // 4])  # repeats leave once
+            assert list(batch) == list(ref), f"trial {trial}"
+            assert _walk_back(batch) == list(ref)
+            assert len(batch) == len(ref)
+            assert all((s in batch) == (s in ref) for s in range(capacity))
+
+
 # --- the pool on the numpy paths -----------------------------------------------------------------
 def _workload() -> list:
     """A fixed random sequence of pool calls; returns what every call answered, and checks each

@@ -1,9 +1,16 @@
 """An ordered set of slots as an intrusive doubly linked list over flat arrays.
 
 Owns only the order of the slots it holds: append, remove, move to the end and walk from the
-front, each O(1) per slot (the walk O(slots visited)), with 9 bytes per slot of capacity and no
+front, each O(1) per slot (the walk O(slots visited)), with 17 bytes per slot of capacity and no
 Python object per slot. The eviction order and each tier's dirty list are SlotLists. It must
 never know what a slot holds or why it is listed.
+
+Every slot joins at the end, so the list's order is the order in which its slots last joined:
+each slot keeps that number (its stamp). A batch that leaves (``discard_many``) finds where each
+run of its leaving slots begins and ends from its neighbours' links, and pairs the k-th
+beginning with the k-th end by their stamps, in a fixed number of numpy calls (pointer jumping
+along the links took log2 of the longest run in calls: 38-58 µs for 128 slots, 450-540 for
+2,048 on the 2-core VM).
 """
 
 from __future__ import annotations
@@ -38,13 +45,6 @@ def first_of_each(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[first], order[first]
 
 
-def _within(ordered: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Whether each of `values` is in `ordered` (sorted, distinct)."""
-    at = np.searchsorted(ordered, values)
-    at[at == ordered.size] = 0
-    return ordered[at] == values
-
-
 class SlotList:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -54,12 +54,17 @@ class SlotList:
         self._prev = array("i", [_NIL]) * (capacity + 1)
         self._next[head] = head
         self._prev[head] = head
-        self._member = bytearray(capacity)
+        # 1 where listed; one byte more for the sentinel (never listed), so a batch can look up
+        # any slot's neighbours' flags, and 2 marks the slots of a batch leaving the list.
+        self._member = bytearray(capacity + 1)
+        self._stamp = array("q", [0]) * capacity  # when each slot last joined (the list's order)
+        self._stamps = 0  # the next stamp
         self._len = 0
         # numpy views of the same memory (no copy) for the batch operations.
         self._np_next = np.frombuffer(self._next, dtype=np.int32)
         self._np_prev = np.frombuffer(self._prev, dtype=np.int32)
         self._np_member = np.frombuffer(self._member, dtype=np.uint8)
+        self._np_stamp = np.frombuffer(self._stamp, dtype=np.int64)
 
     def __len__(self) -> int:
         return self._len
@@ -77,6 +82,8 @@ class SlotList:
         else:
             self._member[slot] = 1
             self._len += 1
+        self._stamp[slot] = self._stamps
+        self._stamps += 1
         last = prv[head]
         nxt[last] = slot
         prv[slot] = last
@@ -103,8 +110,9 @@ class SlotList:
 
     def _append_each(self, slots) -> None:
         """`append` of each slot in order, the linking inline (a short batch: no call per slot)."""
-        nxt, prv, member, head = self._next, self._prev, self._member, self._head
+        nxt, prv, member, head, stamp = self._next, self._prev, self._member, self._head, self._stamp
         added = 0
+        now = self._stamps
         for slot in slots:
             if member[slot]:
                 p, n = prv[slot], nxt[slot]
@@ -113,11 +121,14 @@ class SlotList:
             else:
                 member[slot] = 1
                 added += 1
+            stamp[slot] = now
+            now += 1
             last = prv[head]
             nxt[last] = slot
             prv[slot] = last
             nxt[slot] = head
             prv[head] = slot
+        self._stamps = now
         self._len += added
 
     def _discard_each(self, slots) -> None:
@@ -136,15 +147,19 @@ class SlotList:
     def extend_unlisted(self, slots: list[int]) -> None:
         """`extend` of a short list of distinct slots none of which is listed (no check): one
         loop that links them in a chain, no call per slot."""
-        nxt, prv, member, head = self._next, self._prev, self._member, self._head
+        nxt, prv, member, head, stamp = self._next, self._prev, self._member, self._head, self._stamp
         last = prv[head]
+        now = self._stamps
         for slot in slots:
             nxt[last] = slot
             prv[slot] = last
             member[slot] = 1
+            stamp[slot] = now
+            now += 1
             last = slot
         nxt[last] = head
         prv[head] = last
+        self._stamps = now
         self._len += len(slots)
 
     def extend_distinct(self, new: np.ndarray) -> None:
@@ -165,65 +180,55 @@ class SlotList:
         nxt[end] = head
         prv[head] = end
         self._np_member[new] = 1
+        self._np_stamp[new] = np.arange(self._stamps, self._stamps + new.size, dtype=np.int64)
+        self._stamps += new.size
         self._len += new.size
 
     def discard_many(self, slots) -> None:
         """`discard` of each slot: the listed ones leave, the rest of the order stays as it was.
 
-        In numpy: each leaving slot finds the nearest staying neighbours on both sides by
-        pointer jumping over the leaving slots (log2 of the longest run of them), and those
-        neighbours are linked to each other; leaving slots that form one run of the order (a
-        load of pages committed together) skip the jumping: the run's two ends give them."""
+        In numpy: the runs of leaving slots along the order begin where a slot's previous one
+        stays and end where its next one stays; the k-th beginning and the k-th end by stamp
+        (the list's order) bound one run, whose staying neighbours are linked to each other."""
         if len(slots) < BULK:
             self._discard_each(slots)
             return
-        self._discard_sorted(first_of_each(np.asarray(slots, dtype=np.int64))[0])
+        self._unlink_distinct(first_of_each(np.asarray(slots, dtype=np.int64))[0])
 
     def discard_distinct(self, slots: np.ndarray) -> None:
         """`discard_many` of an int64 array of slots the caller knows to be distinct."""
         if slots.size < BULK:
             self._discard_each(slots.tolist())
             return
-        self._discard_sorted(np.sort(slots))
+        self._unlink_distinct(slots)
 
-    def _discard_sorted(self, gone: np.ndarray) -> None:
-        """`discard_many` of sorted, distinct slots."""
-        gone = gone[self._np_member[gone] != 0]
+    def _unlink_distinct(self, gone: np.ndarray) -> None:
+        """`discard_many` of distinct slots (in any order)."""
+        member = self._np_member
+        gone = gone[member[gone] != 0]
         if not gone.size:
             return
         nxt, prv = self._np_next, self._np_prev
         if gone.size == self._len:  # every listed slot leaves (a whole tier's batch): empty the list
             nxt[self._head] = prv[self._head] = self._head
-            self._np_member[gone] = 0
+            member[gone] = 0
             self._len = 0
             return
-        before, after = prv[gone].astype(np.int64), nxt[gone].astype(np.int64)
-        starts = np.flatnonzero(~_within(gone, before))
-        if starts.size == 1:  # one run of leaving slots (a stretch of the order): link its two ends
-            ends = np.flatnonzero(~_within(gone, after))
-            before, after = before[starts], after[ends]
-        else:
-            before = self._nearest_staying(gone, prv)
-            after = self._nearest_staying(gone, nxt)
-        nxt[before] = after  # every slot of a run of leaving slots writes the same pair
+        # Flags, not a search: a sorted lookup of random neighbours mispredicts its branches
+        # (127 µs of 2,048 slots on the VM against 22 in a loop over the same values).
+        member[gone] = 2
+        before, after = prv[gone], nxt[gone]
+        starts = np.flatnonzero(member[before] != 2)
+        ends = np.flatnonzero(member[after] != 2)
+        member[gone] = 0
+        if starts.size > 1:  # several runs: pair their beginnings and ends in the list's order
+            stamp = self._np_stamp
+            starts = starts[np.argsort(stamp[gone[starts]])]
+            ends = ends[np.argsort(stamp[gone[ends]])]
+        before, after = before[starts], after[ends]
+        nxt[before] = after
         prv[after] = before
-        self._np_member[gone] = 0
         self._len -= gone.size
-
-    @staticmethod
-    def _nearest_staying(gone: np.ndarray, link: np.ndarray) -> np.ndarray:
-        """For each slot of `gone` (sorted, unique), the first slot along `link` not in `gone`."""
-        reach = link[gone].astype(np.int64)  # the slot 2**k steps along, or the first staying one
-        at = np.searchsorted(gone, reach)
-        at[at == gone.size] = 0
-        via = np.where(gone[at] == reach, at, -1)  # index into gone of `reach` while it is leaving
-        while True:
-            going = np.flatnonzero(via >= 0)
-            if not going.size:
-                return reach
-            step = via[going]
-            reach[going] = reach[step]
-            via[going] = via[step]
 
     def move_to_end(self, slot: int) -> None:
         """Move a listed slot to the end; an unlisted slot stays unlisted."""
