@@ -26,8 +26,11 @@ _NIL = -1
 # let go and dirty a batch of host slots, 8,192 or 1e6 of capacity): numpy is 1.5x faster than
 # the loops at 128 slots and 3x at 256 once no batch path calls np.unique (numpy 2 hashes there,
 # ten times slower than a sort); 1,024 was the threshold while they did, 256 until flushes and
-# loads of 128 pages measured faster through numpy too (flush of 128: 3.1 -> 2.5 µs a page).
-BULK = 128
+# loads of 128 pages measured faster through numpy too (flush of 128: 3.1 -> 2.5 µs a page), 128
+# until unlinking a batch took a fixed number of numpy calls (stamps) and 64 to 127 slots measured
+# faster through numpy (µs a call, pool_bookkeeping on the VM: flush of 64 145-149 -> 120-123, of
+# 96 201-206 -> 141, match of 96 81-83 -> 69-70; a load of 64 118-121 -> 123).
+BULK = 64
 # `members` scans the flags of the whole capacity (about 0.5 ns a slot) rather than walk the
 # links (about 100 ns a listed slot) once at least one slot in DENSE is listed.
 DENSE = 64
