@@ -155,3 +155,30 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
         pool.remote.faults.mid_request = None
     with make_pool(tmp_path, write_policy="write_through") as again:
         assert read_back(again, early) == {k: truth[k] for k in early}
+
+
+def test_backups_run_on_one_put_thread_that_ends_with_the_pool(tmp_path, gen):
+    """Every backup's store call runs on the same put thread (none started per backup); the
+    thread ends when the pool closes, and the pages it wrote read back bit for bit."""
+    seen: set[int] = set()
+    pool = make_pool(tmp_path, write_policy="write_through")
+    put_ids = pool.remote.put_ids
+
+    def noting(ids, buffers):
+        seen.add(threading.get_ident())
+        return put_ids(ids, buffers)
+
+    pool.remote.put_ids = noting
+    truth: dict = {}
+    keys = prefix_keys(np.arange(0, 8 * 40), 8, pool.namespace)  # 40 pages, 10 commits
+    for i in range(0, 40, 4):
+        truth.update(write(pool, keys[i : i + 4], gen))
+        assert pool.flush() == 0  # each commit's backup done before the next: one batch each
+    named = [t for t in threading.enumerate() if t.name == "kvtier-remote-put"]
+    assert len(seen) == 1 and len(named) == 1 and named[0].ident in seen
+    pool.close()
+    named[0].join(10)
+    assert not named[0].is_alive()
+    with make_pool(tmp_path, write_policy="write_through") as again:
+        for i in range(0, 40, 4):
+            assert read_back(again, keys[i : i + 4]) == {k: truth[k] for k in keys[i : i + 4]}
