@@ -134,15 +134,17 @@ class RemoteLink:
                     self._queued_reads -= 1
 
     def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                batch = self._next_batch()
-            if batch is None:
-                if self._puts is not None:
-                    self._puts.put(None)  # the put thread ends after the call it runs (none: at once)
-                return
-            ids, buffers, apply = batch
-            self._run(RemoteTicket(self.num_layers), self._put, ids, buffers, apply)
+        try:
+            while True:
+                with self._lock:
+                    batch = self._next_batch()
+                if batch is None:
+                    return
+                ids, buffers, apply = batch
+                self._run(RemoteTicket(self.num_layers), self._put, ids, buffers, apply)
+        finally:
+            if self._puts is not None:
+                self._puts.put(None)  # the put thread ends once it is idle (the writer waited for its call)
 
     def _put(self, ids: list[bytes], buffers: list) -> list[bool]:
         """`store.put_ids` on a thread of its own, reporting a stall (see the module docstring)."""
