@@ -36,11 +36,11 @@ _FIRST_CHUNK = 32
 _CHUNK_GROWTH = 4
 # A layer-ordered load's chunks grow 2x instead: the link waits less for the early chunks'
 # bookkeeping (with the 132 KiB pages of that decode step, a 128-page second chunk took longer
-# to book than the first chunk's 32 pages take to copy), at the cost of more chunks. Measured on an H200 (2026-12-06, prefetched 8 x 8k decode
-# step from graphs, five rounds): 11.92-12.33 ms (median 12.07) against 12.02-12.61 (12.46) at
-# growth 4. The extra chunks cost the host 70-95 µs a 256-page load and 170-190 µs a 1,024-page
-# one on a 2-core VM, which is why plain loads keep growth 4: a caller asks for layer-ordered loads
-# when the link, not its thread, bounds the step.
+# to book than the first chunk's 32 pages take to copy), at the cost of more chunks. Measured on
+# an H200 (2026-12-06, prefetched 8 x 8k decode step from graphs, five rounds): 11.92-12.33 ms
+# (median 12.07) against 12.02-12.61 (12.46) at growth 4. The extra chunks cost the host 70-95 µs
+# a 256-page load and 170-190 µs a 1,024-page one on a 2-core VM, which is why plain loads keep
+# growth 4: a caller asks for layer-ordered loads when the link, not its thread, bounds the step.
 _SPLIT_CHUNK_GROWTH = 2
 # A load of more keys than this keys and checks only its first chunk before that chunk's copy is
 # queued, each later chunk's keys with its bookkeeping (`_load_now`'s `more`): keying and checking

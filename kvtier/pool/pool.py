@@ -107,8 +107,9 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
     the link waits less for the early chunks' bookkeeping (H200: 12.07 ms median against 12.46
     for that step), at 70-95 µs more host time for a 256-page load on a 2-core VM. Off by
     default: the earlier form (every chunk split) cost a 256-page load twice the host time on an
-    H100 host, and this one has not been measured on small loads yet (BENCHMARKS.md, "Time to
-    first token and prefetched decode").
+    H100 host; this one leaves loads of 32 pages or fewer (one chunk) as they were, measured at
+    full tiers on a 2-core VM only, not yet on a GPU host (BENCHMARKS.md, "Time to first token
+    and prefetched decode").
     """
 
     def __init__(
