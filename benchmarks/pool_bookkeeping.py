@@ -99,9 +99,7 @@ def _scatter(pool, keys, others, rng) -> None:
 
 
 def _load_and_let_go(pool, keys) -> None:
-    handle = pool.load(keys)
-    handle.wait()
-    pool.release(handle.slots)
+    pool.release(_load(pool, keys))
     pool.evict(tier="device", keys=keys)
 
 
