@@ -9,8 +9,10 @@ time does not count (each row keeps the time of a call from Python too). The cop
 `dst.copy_(src)` of 1 GiB, counted as bytes read plus bytes written (the HBM traffic a copy
 makes), so the ratio compares like with like; the JSON keeps the copy's one-way rate too. Before the sweep a short search picks the kernel's block
 size, warp count, pipeline stages (and for fp8 pages how the dots read them) per dtype at batch 16,
-16k tokens, then the split plan's programs per SM for that config at batch 16, 64 and 1; the sweep
-runs the library's default plan (attention.PROGRAMS_PER_SM).
+16k tokens, then the split plan's programs per SM for that config at batch 16, 64 and 1 (a table
+of what else the kernel can do). The sweep runs what a call that names no configuration gets
+(attention.DEFAULT_CONFIGS and its split plan); with --tuned, the search's best kernel config and
+programs per SM instead.
 
 Without CUDA it runs the CPU twin: the same code at tiny sizes in Triton's interpreter, whose
 times say nothing about a GPU.
@@ -36,8 +38,8 @@ from kvtier.decode.attention import paged_decode_attention, split_plan  # noqa: 
 from kvtier.format import quantize  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-KERNEL_SHAPES = ((32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 4, 3),
-                 (128, 8, 2), (128, 8, 3))
+KERNEL_SHAPES = ((32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 2, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 2, 2),
+                 (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3))
 TUNE_CONFIGS = {
     "fp8": [dict(block_n=bn, num_warps=warps, num_stages=stages, fp8_dot=dot)
             for dot in ("pairs", "query") for bn, warps, stages in KERNEL_SHAPES],
@@ -223,11 +225,26 @@ def tune(dtype: str, batch: int, context: int, device: str, cuda: bool, gen: tor
     return config, tried
 
 
+def _swept_config(dtype: str, tuned: dict, tuning: list, use_tuned: bool) -> dict:
+    """The sweep's keyword arguments: the library's defaults for the dtype's pages (what a call naming
+    no configuration runs), or the search's best config with its best programs per SM at the
+    search's point."""
+    if not use_tuned:
+        config = dict(attention.DEFAULT_CONFIGS["fp8" if dtype == "fp8" else "16-bit"])
+        config.setdefault("programs_per_sm", attention.PROGRAMS_PER_SM)
+        return config
+    per_sm = [row for row in tuning if "programs_per_sm" in row and row["batch"] >= 16]
+    best = max(per_sm, key=lambda row: row["gbps"])["programs_per_sm"] if per_sm else attention.PROGRAMS_PER_SM
+    return {**tuned, "programs_per_sm": best}
+
+
 def main(argv: list[str] | None = None) -> int:
     global PROGRAMS_PER_SM
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points (batch 1/16/64, context 1k/8k/32k)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tuned", action="store_true",
+                    help="sweep with the search's best config and programs per SM instead of the library's defaults")
     ap.add_argument("--layout", choices=("nhd", "hnd"), default="nhd",
                     help="page layout: nhd (token-major, SGLang's) or hnd (head-major inside a page)")
     args = ap.parse_args(argv)
@@ -255,15 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in ("fp8", "bf16"):
         configs[dtype], tuning[dtype] = tune(dtype, *tune_at, device, cuda, gen, args.layout)
         print(f"{dtype}: best kernel config at batch {tune_at[0]}, {tune_at[1]} tokens: {configs[dtype]}", flush=True)
+    swept = {dtype: _swept_config(dtype, configs[dtype], tuning[dtype], args.tuned) for dtype in configs}
+    for dtype, config in swept.items():
+        print(f"{dtype}: the sweep runs {config}", flush=True)
     rows = []
     for dtype, batch, context in itertools.product(("fp8", "bf16"), batches, contexts):
         inputs = make_inputs(batch, context, dtype, device, gen, args.layout)
-        eager = time_call(lambda: paged_decode_attention(**inputs, **configs[dtype]), cuda)
+        eager = time_call(lambda: paged_decode_attention(**inputs, **swept[dtype]), cuda)
         flushes: dict = {}
-        seconds = time_replay(lambda: paged_decode_attention(**inputs, **configs[dtype]), flushes) if cuda else eager
+        seconds = time_replay(lambda: paged_decode_attention(**inputs, **swept[dtype]), flushes) if cuda else eager
         nbytes = bytes_read(inputs, context)
-        splits, _ = split_plan(batch, KV_HEADS, inputs["page_table"].shape[1] * PAGE, configs[dtype]["block_n"],
-                               slots=attention.wave_slots(inputs["q"].device))
+        splits, _ = split_plan(batch, KV_HEADS, inputs["page_table"].shape[1] * PAGE, swept[dtype]["block_n"],
+                               slots=attention.wave_slots(inputs["q"].device, swept[dtype]["programs_per_sm"]))
         gbps = nbytes / seconds / 1e9
         rows.append(dict(dtype=dtype, batch=batch, context=context, splits=splits, bytes=nbytes, us=seconds * 1e6,
                          gbps=gbps, of_copy=gbps / copy["hbm_gbps"], eager_us=eager * 1e6,
@@ -273,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {dtype} batch {batch:>3} context {context:>6}: {seconds * 1e6:9.1f} us {gbps:8.0f} GB/s "
               f"(called from Python: {eager * 1e6:.1f} us)", flush=True)
         del inputs
-    report = {"meta": meta, "layout": args.layout, "copy": copy, "kernel_configs": configs, "tuning": tuning, "rows": rows}
+    report = {"meta": meta, "layout": args.layout, "copy": copy, "kernel_configs": configs, "swept_configs": swept,
+              "tuned": args.tuned, "tuning": tuning, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print(f"\nGB/s of KV + scale bytes read (kernels replayed from a CUDA graph, L2 flushed clean); x = of the D2D "
