@@ -105,6 +105,21 @@ CANDIDATES = {
                                                      programs_per_sm=1),
         "pairs 32/4w/4s ahead, 2 kv, 3 per SM": dict(_config(32, 4, 4, True, "pairs"), kv_per_program=2,
                                                      programs_per_sm=3),
+        # One warp a program (2026-12-07): no cross-warp reductions in the loop (each block's row
+        # maxima and sums stay within the warp), more programs an SM to keep the SM's issue slots fed.
+        "pairs 64/1w/2s ahead, 8 per SM": dict(_config(64, 1, 2, True, "pairs"), programs_per_sm=8),
+        "pairs 64/1w/3s ahead, 8 per SM": dict(_config(64, 1, 3, True, "pairs"), programs_per_sm=8),
+        "pairs 32/1w/4s ahead, 8 per SM": dict(_config(32, 1, 4, True, "pairs"), programs_per_sm=8),
+        "pairs 128/1w/2s ahead, 6 per SM": dict(_config(128, 1, 2, True, "pairs"), programs_per_sm=6),
+        "pairs 64/1w/3s ahead, 12 per SM": dict(_config(64, 1, 3, True, "pairs"), programs_per_sm=12),
+        # The query heads stacked over interleaved slices of a step (fp8_dot="pairs_stacked": all 16
+        # rows of the dots live at 4 query heads a kv head; block_n tokens a step, block_n / 4 tile rows).
+        "stacked 128/4w/2s ahead, 3 per SM": dict(_config(128, 4, 2, True, "pairs_stacked"), programs_per_sm=3),
+        "stacked 128/4w/3s ahead, 3 per SM": dict(_config(128, 4, 3, True, "pairs_stacked"), programs_per_sm=3),
+        "stacked 128/2w/2s ahead, 4 per SM": dict(_config(128, 2, 2, True, "pairs_stacked"), programs_per_sm=4),
+        "stacked 256/4w/2s ahead, 2 per SM": dict(_config(256, 4, 2, True, "pairs_stacked"), programs_per_sm=2),
+        "stacked 128/8w/2s ahead, 2 per SM": dict(_config(128, 8, 2, True, "pairs_stacked"), programs_per_sm=2),
+        "stacked 64/2w/3s ahead, 4 per SM": dict(_config(64, 2, 3, True, "pairs_stacked"), programs_per_sm=4),
     },
     "bf16": {
         "bf16 64/4w/2s": _config(64, 4, 2),
@@ -130,7 +145,8 @@ def select(only: str | None) -> None:
     """Keep the defaults and the candidates whose names contain one of the comma-separated `only` parts."""
     if not only:
         return
-    parts = [part.strip() for part in only.split(",") if part.strip()]
+    # ";" separates parts where names hold commas ("pairs 64/1w/3s ahead, 8 per SM;stacked").
+    parts = [part.strip() for part in only.split(";" if ";" in only else ",") if part.strip()]
     for dtype, candidates in CANDIDATES.items():
         keep = default_name(dtype)
         for name in list(candidates):
@@ -436,8 +452,12 @@ def main() -> int:
     parser.add_argument("--flush-only", action="store_true", help="time only the defaults under each L2 flush")
     parser.add_argument("--only", default=None,
                         help="comma-separated parts of candidate names to time besides the defaults, e.g. 'per SM'")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated BATCHxTOKENS shapes in the order to time them (default: all six)")
     args = parser.parse_args()
     select(args.only)
+    if args.shapes:
+        SHAPES[:] = [tuple(int(x) for x in part.lower().split("x")) for part in args.shapes.split(",") if part.strip()]
     out = Path(os.environ.get("OUT") or "/tmp")
     out.mkdir(parents=True, exist_ok=True)
     out_file = out / "decode_sweep.json"

@@ -453,3 +453,22 @@ def test_pairs_variants_with_v_scales_spread_over_four_decades(fp8_dot):
     out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
     paged_decode_attention(**args, out=out, num_splits=1, block_n=32, fp8_dot=fp8_dot)
     assert_close_to_reference(out, args, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "dtype,scale,layout,group,page_size,block_n,num_splits,max_len",
+    [("fp8_e4m3", "per_token_head", "nhd", 4, 16, 64, 3, 300), ("fp8_e4m3", "per_page_head", "hnd", 2, 16, 128, 2, 300),
+     ("fp8_e5m2", "per_tensor", "nhd", 8, 4, 32, 1, 130), ("fp8_e4m3", "per_token_head", "hnd", 1, 16, 256, 2, 300),
+     ("fp8_e4m3", "per_token_head", "nhd", 4, 4, 64, 5, 40)],
+)
+def test_query_heads_stacked_over_slices_of_a_step(dtype, scale, layout, group, page_size, block_n, num_splits, max_len):
+    """fp8_dot="pairs_stacked": the query heads stacked as rows over interleaved slices of each step's
+    tokens, every slice its own softmax merged at the end, including splits and last steps where
+    a slice has no token (lengths 1 .. max_len, 5 splits of 40 tokens); fp16's bound, as "pairs"."""
+    args = make_case(1300 + group + block_n, dtype, scale, layout, batch=5, kv_heads=2, group=group, max_len=max_len,
+                     page_size=page_size, head_dim=64)
+    args["seq_lens"][1] = 1
+    args["seq_lens"][2] = min(3, max_len)
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=block_n, fp8_dot="pairs_stacked")
+    assert_close_to_reference(out, args, torch.float16)

@@ -62,7 +62,7 @@ LOG2E = 1.4426950408889634
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
-FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "mma")
+FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "pairs_stacked", "mma")
 # How split partial outputs are merged: a second kernel (_merge_splits), or by the last program of
 # each (sequence, kv head) inside the split kernel (_merge_if_last; not under fp8_dot="mma").
 MERGES = ("kernel", "fused")
@@ -586,6 +586,152 @@ def _decode_split_pairs_kv(
 
 
 @triton.jit
+def _stacked_pages(PT, b, stride_ptb, n0, end, ROWS: tl.constexpr, SUB: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The page of each tile row's SUB tokens for the step from n0 (0 past `end`)."""
+    first = n0 + tl.arange(0, ROWS) * SUB
+    return tl.load(PT + b * stride_ptb + first // PAGE_SIZE, mask=first < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _decode_split_pairs_stacked(
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
+    qk_scale,
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh,
+    stride_vsp, stride_vst, stride_vsh,
+    stride_ptb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    ASM: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
+):
+    """_decode_split_pairs with every row of the dots live (fp8_dot="pairs_stacked"): the GROUP
+    query heads of one kv head are stacked SUB = BLOCK_H / GROUP times as rows, row j * GROUP + g
+    being head g over the step's tokens n0 + SUB * t + j (t = 0 .. BLOCK_N - 1): SUB interleaved
+    slices of the step, each with its own running softmax (m, s) per row.
+
+    A step reads K and V as one tile of BLOCK_N rows by SUB * HEAD_DIM / 2 words: row t holds the
+    SUB consecutive tokens n0 + SUB * t .. + SUB - 1 (one page: SUB divides the page size), token j
+    in columns j * HEAD_DIM / 2 ... The query is placed block-diagonally (row j * GROUP + g holds
+    head g's values in slice j's columns, zeros elsewhere), so Q.K^T gives each row its own
+    slice's scores; P.V gives every row against every slice's values and each row keeps its own
+    slice's columns at the end. The dots do the same MMA work a token as _decode_split_pairs's
+    (whose rows past GROUP are padding), while the softmax's element-wise work runs on BLOCK_H x
+    BLOCK_N scores for SUB * BLOCK_N tokens, 1 / SUB of it. After the loop each head's SUB slices
+    are merged by their log-sum-exp (as splits are)."""
+    HALF_D: tl.constexpr = HEAD_DIM // 2
+    SUB: tl.constexpr = BLOCK_H // GROUP
+    WORDS: tl.constexpr = SUB * HALF_D
+    STEP: tl.constexpr = SUB * BLOCK_N
+    b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
+    if start < end:
+        offs_r = tl.arange(0, BLOCK_H)
+        r_sub = offs_r // GROUP
+        r_head = offs_r % GROUP
+        offs_c = tl.arange(0, WORDS)
+        c_sub = offs_c // HALF_D
+        c_word = offs_c % HALF_D
+        own = r_sub[:, None] == c_sub[None, :]
+        q_ptr = Q + b * stride_qb + (kvh * GROUP + r_head)[:, None] * stride_qh + 2 * c_word[None, :]
+        q_even = tl.load(q_ptr, mask=own, other=0.0).to(tl.float32)
+        q_odd = tl.load(q_ptr + 1, mask=own, other=0.0).to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
+        score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
+        q_even = (q_even * q_factor).to(tl.float16)
+        q_odd = (q_odd * q_factor).to(tl.float16)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_H], tl.float32)
+        acc_even = tl.zeros([BLOCK_H, WORDS], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, WORDS], tl.float32)
+        offs_t = tl.arange(0, BLOCK_N)
+        k_cols = kvh * stride_kh + c_sub * stride_kt + c_word
+        v_cols = kvh * stride_vh + c_sub * stride_vt + c_word
+        page_ahead = 0
+        if PAGE_AHEAD:
+            page_ahead = _stacked_pages(PT, b, stride_ptb, start, end, BLOCK_N, SUB, PAGE_SIZE)
+        for n0 in range(start, end, STEP):
+            first = n0 + offs_t * SUB
+            if PAGE_AHEAD:
+                page = page_ahead
+                page_ahead = _stacked_pages(PT, b, stride_ptb, n0 + STEP, end, BLOCK_N, SUB, PAGE_SIZE)
+            else:
+                page = _stacked_pages(PT, b, stride_ptb, n0, end, BLOCK_N, SUB, PAGE_SIZE)
+            in_page = first % PAGE_SIZE
+            live_kv = (first[:, None] + c_sub[None, :]) < end
+            k_ptr = K + page[:, None] * stride_kp + in_page[:, None] * stride_kt + k_cols[None, :]
+            k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live_kv, other=0), FP8, ASM)
+            if ASM:
+                score = tl.dot(q_even, tl.trans(k_even))
+                score = tl.dot(q_odd, tl.trans(k_odd), score)
+            else:  # the interpreter's dot: fp32 operands holding the same values
+                score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
+                score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+            live = (first[None, :] + r_sub[:, None]) < end
+            row_of = page[None, :] * stride_ksp + (in_page[None, :] + r_sub[:, None]) * stride_kst + kvh * stride_ksh
+            k_scale = tl.load(KS + row_of, mask=live, other=0.0)
+            score = score * (k_scale * score_scale)
+            score = tl.where(live, score, float("-inf"))
+            # A slice may have no token left in the last step (and none at all in a split of fewer
+            # than SUB tokens): its rows keep m = -inf and add nothing.
+            m_block = tl.max(score, 1)
+            m_new = tl.maximum(m, m_block)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)
+            weight = tl.exp2(m_block - m_ref)
+            p = tl.exp2(score - tl.where(m_block == float("-inf"), 0.0, m_block)[:, None])
+            s = s * alpha + tl.sum(p, 1) * weight
+            v_of = page[None, :] * stride_vsp + (in_page[None, :] + r_sub[:, None]) * stride_vst + kvh * stride_vsh
+            v_scale = tl.load(VS + v_of, mask=live, other=0.0)
+            v_max = tl.max(v_scale, 1)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            weight = weight * v_max
+            p = (p * (v_scale / v_max[:, None])).to(tl.float16)
+            v_ptr = V + page[:, None] * stride_vp + in_page[:, None] * stride_vt + v_cols[None, :]
+            v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live_kv, other=0), FP8, ASM)
+            if ASM:
+                pv_even = tl.dot(p, v_even)
+                pv_odd = tl.dot(p, v_odd)
+            else:
+                pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
+                pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
+            acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
+            acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+            m = m_new
+        # Each row's own slice's columns, then each head's SUB slices merged by log-sum-exp.
+        o_even = tl.sum(tl.reshape(tl.where(own, acc_even, 0.0), [BLOCK_H, SUB, HALF_D]), 1)
+        o_odd = tl.sum(tl.reshape(tl.where(own, acc_odd, 0.0), [BLOCK_H, SUB, HALF_D]), 1)
+        m2 = tl.reshape(m, [SUB, GROUP])
+        top = tl.max(m2, 0)  # finite: slice 0 holds the split's first token
+        w = tl.exp2(m2 - top[None, :])
+        total = tl.sum(tl.reshape(s, [SUB, GROUP]) * w, 0)
+        o_even = tl.sum(tl.reshape(o_even, [SUB, GROUP, HALF_D]) * w[:, :, None], 0) / total[:, None]
+        o_odd = tl.sum(tl.reshape(o_odd, [SUB, GROUP, HALF_D]) * w[:, :, None], 0) / total[:, None]
+        heads = kvh * GROUP + tl.arange(0, GROUP)
+        offs_w = tl.arange(0, HALF_D)
+        if SINGLE:
+            o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
+            tl.store(o_ptr, o_even.to(OUT.dtype.element_ty))
+            tl.store(o_ptr + 1, o_odd.to(OUT.dtype.element_ty))
+        else:
+            o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
+            tl.store(o_ptr, o_even)
+            tl.store(o_ptr + 1, o_odd)
+            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, top + tl.log2(total))
+
+
+@triton.jit
 def _to_e4m3(x, BY_BITS: tl.constexpr):
     """fp32 `x` (|x| <= 448) rounded to the nearest e4m3 value, ties to even.
 
@@ -879,6 +1025,16 @@ def _planned(units: int, max_tokens: int, block_n: int, slots: int) -> tuple[int
     return best
 
 
+def _stacks(group: int, page_size: int, block_n: int) -> bool:
+    """Whether fp8_dot="pairs_stacked" applies: a power-of-two GROUP below MIN_DOT (so SUB =
+    MIN_DOT / GROUP slices), SUB dividing the page size (a tile row's tokens share a page), and
+    block_n / SUB >= MIN_DOT tile rows a step; elsewhere "pairs" runs."""
+    if group < 1 or group & (group - 1) or group >= MIN_DOT:
+        return False
+    sub = MIN_DOT // group
+    return page_size % sub == 0 and block_n % sub == 0 and block_n // sub >= MIN_DOT
+
+
 def split_plan(
     batch: int, kv_heads: int, max_tokens: int, block_n: int, num_splits: int | None = None, slots: int | None = None
 ) -> tuple[int, int]:
@@ -1008,9 +1164,15 @@ def paged_decode_attention(
         k_arg, v_arg = k_pages.view(torch.uint8), v_pages.view(torch.uint8)
     else:
         k_arg, v_arg = k_pages, v_pages
-    fused = not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None)
+    stacked = words is not None and fp8_dot == "pairs_stacked" and _stacks(group, page_size, block_n)
+    fused = not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None) and not stacked
     cnt = torch.zeros((batch, groups), dtype=torch.int32, device=q.device) if fused else mid_lse
-    if words is not None and kvp > 1:
+    kernel_block_n = block_n
+    if stacked:
+        kernel = _decode_split_pairs_stacked
+        flags = dict(FP8=fp8, ASM=not INTERPRETED)
+        kernel_block_n = block_n // (MIN_DOT // group)
+    elif words is not None and kvp > 1:
         kernel = _decode_split_pairs_kv
         flags = dict(FP8=fp8, ASM=not INTERPRETED, KVP=kvp)
     elif words is not None:
@@ -1039,7 +1201,7 @@ def paged_decode_attention(
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group * kvp)),
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_N=block_n,
+        BLOCK_N=kernel_block_n,
         SINGLE=single,
         PAGE_AHEAD=page_ahead,
         FUSED=fused,
