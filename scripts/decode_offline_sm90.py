@@ -53,6 +53,9 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
     elif fp8_dot == "mma":
         kernel, page_ty, width = attention._decode_split_mma, "*u8", 1
         flags = dict(FP8=1, Q_TERMS=2, DOT_F32=False)
+    elif fp8_dot == "pairs_two_heads":
+        kernel, page_ty, width = attention._decode_split_pairs_two_heads, "*i16", 2
+        flags = dict(FP8=1, ASM=True)
     elif fp8_dot == "pairs_stacked":
         kernel, page_ty, width = attention._decode_split_pairs_stacked, "*i16", 2
         flags = dict(FP8=1, ASM=True)
@@ -80,7 +83,7 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
     constexprs = dict(GROUP=GROUP, BLOCK_H=max(16, GROUP * config.get("kv_per_program", 1)), HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE,
                       BLOCK_N=config["block_n"] // (16 // GROUP if fp8_dot == "pairs_stacked" else 1),
                       SINGLE=False, PAGE_AHEAD=config.get("page_ahead", False),
-                      FUSED=config.get("merge") == "fused" and fp8_dot not in ("mma", "pairs_stacked"), **flags)
+                      FUSED=config.get("merge") == "fused" and fp8_dot not in ("mma", "pairs_stacked", "pairs_two_heads"), **flags)
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:

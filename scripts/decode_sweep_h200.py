@@ -120,6 +120,13 @@ CANDIDATES = {
         "stacked 256/4w/2s ahead, 2 per SM": dict(_config(256, 4, 2, True, "pairs_stacked"), programs_per_sm=2),
         "stacked 128/8w/2s ahead, 2 per SM": dict(_config(128, 8, 2, True, "pairs_stacked"), programs_per_sm=2),
         "stacked 64/2w/3s ahead, 4 per SM": dict(_config(64, 2, 3, True, "pairs_stacked"), programs_per_sm=4),
+        # Two kv heads a program, each its own softmax (fp8_dot="pairs_two_heads"): a token's two heads'
+        # 256 contiguous bytes of "nhd" pages read at once; twice the registers of one head (offline
+        # sm_90: 144 / 255 / 201 / 86 registers, 44-80 KB shared; programs an SM set to match).
+        "two heads 64/4w/2s ahead, 3 per SM": dict(_config(64, 4, 2, True, "pairs_two_heads"), programs_per_sm=3),
+        "two heads 64/2w/2s ahead, 4 per SM": dict(_config(64, 2, 2, True, "pairs_two_heads"), programs_per_sm=4),
+        "two heads 128/4w/2s ahead, 2 per SM": dict(_config(128, 4, 2, True, "pairs_two_heads"), programs_per_sm=2),
+        "two heads 64/8w/2s ahead, 2 per SM": dict(_config(64, 8, 2, True, "pairs_two_heads"), programs_per_sm=2),
     },
     "bf16": {
         "bf16 64/4w/2s": _config(64, 4, 2),

@@ -472,3 +472,20 @@ def test_query_heads_stacked_over_slices_of_a_step(dtype, scale, layout, group, 
     out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
     paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=block_n, fp8_dot="pairs_stacked")
     assert_close_to_reference(out, args, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "dtype,scale,layout,group,num_splits",
+    [("fp8_e4m3", "per_token_head", "nhd", 4, 3), ("fp8_e5m2", "per_page_head", "hnd", 2, 1), ("fp8_e4m3", "per_tensor", "nhd", 8, 2)],
+)
+def test_two_kv_heads_a_program(dtype, scale, layout, group, num_splits):
+    """fp8_dot="pairs_two_heads": two kv heads a program, each its own softmax: the output of one
+    head a program (the same operations a head; compiled code may fuse them differently, so to
+    1e-5), and within fp16's bound of the reference."""
+    args = make_case(1400 + group, dtype, scale, layout, batch=3, kv_heads=4, group=group, max_len=300, page_size=16)
+    out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=32, fp8_dot="pairs_two_heads")
+    assert_close_to_reference(out, args, torch.float16)
+    one = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    paged_decode_attention(**args, out=one, num_splits=num_splits, block_n=32, fp8_dot="pairs")
+    torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5)

@@ -62,7 +62,7 @@ LOG2E = 1.4426950408889634
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
-FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "pairs_stacked", "mma")
+FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "pairs_stacked", "pairs_two_heads", "mma")
 # How split partial outputs are merged: a second kernel (_merge_splits), or by the last program of
 # each (sequence, kv head) inside the split kernel (_merge_if_last; not under fp8_dot="mma").
 MERGES = ("kernel", "fused")
@@ -583,6 +583,143 @@ def _decode_split_pairs_kv(
                 _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvg, heads, mask_h, tokens_per_split,
                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
                                BLOCK_H, HEAD_DIM)
+
+
+@triton.jit
+def _pairs_head_step(
+    q_even, q_odd, m, s, acc_even, acc_odd, K, V, KS, VS, page, row, live, kvh, score_scale, offs_w,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
+    FP8: tl.constexpr, ASM: tl.constexpr,
+):
+    """One block of one kv head as _decode_split_pairs's loop runs it: (m, s, acc_even, acc_odd) after it."""
+    k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
+    v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
+    k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
+    if ASM:
+        score = tl.dot(q_even, tl.trans(k_even))
+        score = tl.dot(q_odd, tl.trans(k_odd), score)
+    else:
+        score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
+        score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+    k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
+    score = score * (k_scale * score_scale)[None, :]
+    score = tl.where(live[None, :], score, float("-inf"))
+    m_block = tl.max(score, 1)
+    m_new = tl.maximum(m, m_block)
+    alpha = tl.exp2(m - m_new)
+    weight = tl.exp2(m_block - m_new)
+    p = tl.exp2(score - m_block[:, None])
+    s = s * alpha + tl.sum(p, 1) * weight
+    v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
+    v_max = tl.max(v_scale, 0)
+    v_max = tl.where(v_max > 0, v_max, 1.0)
+    weight = weight * v_max
+    p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+    v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
+    if ASM:
+        pv_even = tl.dot(p, v_even)
+        pv_odd = tl.dot(p, v_odd)
+    else:
+        pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
+        pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
+    acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
+    acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+    return m_new, s, acc_even, acc_odd
+
+
+@triton.jit
+def _pairs_head_query(Q, b, stride_qb, stride_qh, heads, mask_h, offs_w, qk_scale):
+    """A kv head's query rows as _decode_split_pairs scales them: (score_scale, q_even, q_odd) in fp16."""
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * offs_w[None, :]
+    q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
+    score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
+    return score_scale, (q_even * q_factor).to(tl.float16), (q_odd * q_factor).to(tl.float16)
+
+
+@triton.jit
+def _pairs_head_store(MID_O, MID_LSE, OUT, b, split, heads, mask_h, offs_w, m, s, acc_even, acc_odd,
+                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                      SINGLE: tl.constexpr):
+    if SINGLE:
+        o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
+        tl.store(o_ptr, (acc_even / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        tl.store(o_ptr + 1, (acc_odd / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
+        tl.store(o_ptr, acc_even / s[:, None], mask=mask_h[:, None])
+        tl.store(o_ptr + 1, acc_odd / s[:, None], mask=mask_h[:, None])
+        tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+
+
+@triton.jit
+def _decode_split_pairs_two_heads(
+    Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
+    qk_scale,
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh,
+    stride_vsp, stride_vst, stride_vsh,
+    stride_ptb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    ASM: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PAGE_AHEAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
+):
+    """_decode_split_pairs over two adjacent kv heads a program (fp8_dot="pairs_two_heads"), each
+    with its own query rows, softmax and accumulators, as two programs would run them, but with
+    each step's loads of both heads issued together: under "nhd" a token's two heads are 256
+    contiguous bytes, read at once instead of as two 128-byte pieces by programs apart in time."""
+    HALF_D: tl.constexpr = HEAD_DIM // 2
+    b, kvg, split, start, end = _split_range(LENS, tokens_per_split)
+    if start < end:
+        kv0 = 2 * kvg
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads0 = kv0 * GROUP + offs_h
+        heads1 = heads0 + GROUP
+        offs_w = tl.arange(0, HALF_D)
+        score_scale0, q0_even, q0_odd = _pairs_head_query(Q, b, stride_qb, stride_qh, heads0, mask_h, offs_w, qk_scale)
+        score_scale1, q1_even, q1_odd = _pairs_head_query(Q, b, stride_qb, stride_qh, heads1, mask_h, offs_w, qk_scale)
+        m0 = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s0 = tl.zeros([BLOCK_H], tl.float32)
+        a0_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        a0_odd = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        m1 = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s1 = tl.zeros([BLOCK_H], tl.float32)
+        a1_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        a1_odd = tl.zeros([BLOCK_H, HALF_D], tl.float32)
+        page_ahead = 0
+        if PAGE_AHEAD:
+            page_ahead = _block_pages(PT, b, stride_ptb, start, end, BLOCK_N, PAGE_SIZE)
+        for n0 in range(start, end, BLOCK_N):
+            live, page, row, page_ahead = _next_block(
+                PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
+            m0, s0, a0_even, a0_odd = _pairs_head_step(
+                q0_even, q0_odd, m0, s0, a0_even, a0_odd, K, V, KS, VS, page, row, live, kv0, score_scale0, offs_w,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM)
+            m1, s1, a1_even, a1_odd = _pairs_head_step(
+                q1_even, q1_odd, m1, s1, a1_even, a1_odd, K, V, KS, VS, page, row, live, kv0 + 1, score_scale1, offs_w,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM)
+        _pairs_head_store(MID_O, MID_LSE, OUT, b, split, heads0, mask_h, offs_w, m0, s0, a0_even, a0_odd,
+                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
+        _pairs_head_store(MID_O, MID_LSE, OUT, b, split, heads1, mask_h, offs_w, m1, s1, a1_even, a1_odd,
+                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
 
 
 @triton.jit
@@ -1145,7 +1282,8 @@ def paged_decode_attention(
     words = _word_views(k_pages, v_pages) if fp8 and fp8_dot.startswith("pairs") and head_dim >= 2 * MIN_DOT else None
     if words is None or fp8_dot != "pairs":
         kvp = 1
-    groups = heads // kvp  # programs per sequence and split
+    two_heads = words is not None and fp8_dot == "pairs_two_heads" and heads % 2 == 0
+    groups = heads // (2 if two_heads else kvp)  # programs per sequence and split
     splits, per_split = split_plan(batch, groups, max_tokens, block_n, num_splits, wave_slots(q.device, per_sm))
     single = splits == 1
     mid_shape = (1, 1, 1) if single else (batch, q_heads, splits)
@@ -1165,10 +1303,14 @@ def paged_decode_attention(
     else:
         k_arg, v_arg = k_pages, v_pages
     stacked = words is not None and fp8_dot == "pairs_stacked" and _stacks(group, page_size, block_n)
-    fused = not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None) and not stacked
+    fused = (not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None) and not stacked
+             and not two_heads)
     cnt = torch.zeros((batch, groups), dtype=torch.int32, device=q.device) if fused else mid_lse
     kernel_block_n = block_n
-    if stacked:
+    if two_heads:
+        kernel = _decode_split_pairs_two_heads
+        flags = dict(FP8=fp8, ASM=not INTERPRETED)
+    elif stacked:
         kernel = _decode_split_pairs_stacked
         flags = dict(FP8=fp8, ASM=not INTERPRETED)
         kernel_block_n = block_n // (MIN_DOT // group)
