@@ -489,3 +489,18 @@ def test_two_kv_heads_a_program(dtype, scale, layout, group, num_splits):
     one = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
     paged_decode_attention(**args, out=one, num_splits=num_splits, block_n=32, fp8_dot="pairs")
     torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8_dot,override", [("pairs_stacked", dict(group=3)), ("pairs_stacked", dict(page_size=2)),
+                                              ("pairs_two_heads", dict(kv_heads=3))])
+def test_stacked_and_two_heads_fall_back_to_pairs(fp8_dot, override):
+    """Where a variant cannot run (a group that is not a power of two, a page smaller than the slices,
+    an odd number of kv heads) the call runs "pairs" itself: the same output, to the bit."""
+    shape = dict(batch=2, kv_heads=2, group=4, max_len=130, page_size=16, head_dim=64) | override
+    args = make_case(1500 + len(str(override)), "fp8_e4m3", "per_token_head", "nhd", **shape)
+    outs = {}
+    for mode in (fp8_dot, "pairs"):
+        outs[mode] = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=outs[mode], num_splits=2, block_n=64, fp8_dot=mode)
+    assert torch.equal(outs[fp8_dot], outs["pairs"])
+    assert_close_to_reference(outs["pairs"], args, torch.float16)

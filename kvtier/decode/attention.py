@@ -937,7 +937,7 @@ def paged_decode_attention(
     interleaved slices of each step so every row of the dots is live, see
     _decode_split_pairs_stacked; "pairs" where GROUP, the page size or block_n do not allow it,
     see _stacks), "pairs_two_heads" (two kv heads a program, each its own softmax, their loads
-    issued together; see _decode_split_pairs_two_heads), "mma" (both dots on fp8 tensor cores with the pages as they are,
+    issued together; see _decode_split_pairs_two_heads; "pairs" where the kv heads are odd), "mma" (both dots on fp8 tensor cores with the pages as they are,
     the query and the probabilities as sums of e4m3 terms: bf16's precision; see _decode_split_mma).
     block_n: KV tokens a program reads per step. page_ahead: load the page table's entries for
     the next step one step early (see _next_block). merge: how splits are merged, "kernel" (a
@@ -1030,7 +1030,8 @@ def paged_decode_attention(
         flags = dict(FP8=fp8, ASM=not INTERPRETED, KVP=kvp)
     elif words is not None:
         kernel = _decode_split_pairs
-        flags = dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot != "pairs", ROW_SUMS=fp8_dot == "pairs_lean")
+        flags = dict(FP8=fp8, ASM=not INTERPRETED, SPLIT_VMAX=fp8_dot in ("pairs_vmax", "pairs_lean"),
+                     ROW_SUMS=fp8_dot == "pairs_lean")
     elif fp8 and fp8_dot == "mma":
         kernel = _decode_split_mma
         flags = dict(FP8=fp8, Q_TERMS=2 if q.dtype == torch.bfloat16 else 3, DOT_F32=INTERPRETED)
