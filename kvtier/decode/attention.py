@@ -332,6 +332,88 @@ def _fp8_pairs_to_f16(x, FP8: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _pairs_query(Q, b, stride_qb, stride_qh, heads, mask_h, offs_w, qk_scale):
+    """A kv head's query rows for _decode_split_pairs's dots: (score scale, even columns, odd
+    columns), scaled by a power of two into fp16's range (_query_powers)."""
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * offs_w[None, :]
+    q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
+    score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
+    return score_scale, (q_even * q_factor).to(tl.float16), (q_odd * q_factor).to(tl.float16)
+
+
+@triton.jit
+def _pairs_step(
+    q_even, q_odd, score_scale, m, s, row_sums, v_top, acc_even, acc_odd, K, V, KS, VS, page, row, live,
+    kvh, offs_w, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
+    FP8: tl.constexpr, ASM: tl.constexpr, SPLIT_VMAX: tl.constexpr, ROW_SUMS: tl.constexpr,
+):
+    """One block of one kv head in _decode_split_pairs's loop: (m, s, row_sums, acc_even, acc_odd)
+    after it (see that kernel for SPLIT_VMAX / v_top and ROW_SUMS / row_sums)."""
+    k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
+    v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
+    k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
+    if ASM:
+        score = tl.dot(q_even, tl.trans(k_even))
+        score = tl.dot(q_odd, tl.trans(k_odd), score)
+    else:  # the interpreter's dot: fp32 operands holding the same values
+        score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
+        score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+    k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
+    score = score * (k_scale * score_scale)[None, :]
+    score = tl.where(live[None, :], score, float("-inf"))
+    # Probabilities relative to each row's largest score in this block, so that every row's
+    # largest is 1 and fp16 keeps its precision for blocks far below the running maximum;
+    # the block's weight relative to the running maximum multiplies the dot's result.
+    m_block = tl.max(score, 1)
+    m_new = tl.maximum(m, m_block)
+    alpha = tl.exp2(m - m_new)
+    weight = tl.exp2(m_block - m_new)
+    p = tl.exp2(score - m_block[:, None])
+    if ROW_SUMS:
+        row_sums = row_sums * alpha[:, None] + p * weight[:, None]
+    else:
+        s = s * alpha + tl.sum(p, 1) * weight
+    v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
+    if SPLIT_VMAX:
+        p = (p * (v_scale / v_top)[None, :]).to(tl.float16)
+    else:
+        v_max = tl.max(v_scale, 0)
+        v_max = tl.where(v_max > 0, v_max, 1.0)
+        weight = weight * v_max
+        p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+    v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
+    if ASM:
+        pv_even = tl.dot(p, v_even)
+        pv_odd = tl.dot(p, v_odd)
+    else:
+        pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
+        pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
+    acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
+    acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+    return m_new, s, row_sums, acc_even, acc_odd
+
+
+@triton.jit
+def _pairs_store(MID_O, MID_LSE, OUT, b, split, heads, mask_h, offs_w, m, s, divisor, acc_even, acc_odd,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                 SINGLE: tl.constexpr):
+    """A kv head's rows out of _decode_split_pairs: the output (SINGLE) or the split's partial output
+    and its log-sum-exp, the accumulators divided by `divisor`."""
+    if SINGLE:
+        o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
+        tl.store(o_ptr, (acc_even / divisor[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        tl.store(o_ptr + 1, (acc_odd / divisor[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
+        tl.store(o_ptr, acc_even / divisor[:, None], mask=mask_h[:, None])
+        tl.store(o_ptr + 1, acc_odd / divisor[:, None], mask=mask_h[:, None])
+        tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
+
+
+@triton.jit
 def _decode_split_pairs(
     Q, K, V, KS, VS, PT, LENS, MID_O, MID_LSE, OUT, CNT,
     qk_scale,
@@ -380,13 +462,7 @@ def _decode_split_pairs(
         mask_h = offs_h < GROUP
         heads = kvh * GROUP + offs_h
         offs_w = tl.arange(0, HALF_D)
-        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * offs_w[None, :]
-        q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
-        q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
-        q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
-        score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
-        q_even = (q_even * q_factor).to(tl.float16)
-        q_odd = (q_odd * q_factor).to(tl.float16)
+        score_scale, q_even, q_odd = _pairs_query(Q, b, stride_qb, stride_qh, heads, mask_h, offs_w, qk_scale)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_H], tl.float32)
         acc_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
@@ -406,64 +482,19 @@ def _decode_split_pairs(
         for n0 in range(start, end, BLOCK_N):
             live, page, row, page_ahead = _next_block(
                 PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
-            k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
-            v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
-            k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
-            if ASM:
-                score = tl.dot(q_even, tl.trans(k_even))
-                score = tl.dot(q_odd, tl.trans(k_odd), score)
-            else:  # the interpreter's dot: fp32 operands holding the same values
-                score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
-                score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
-            k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
-            score = score * (k_scale * score_scale)[None, :]
-            score = tl.where(live[None, :], score, float("-inf"))
-            # Probabilities relative to each row's largest score in this block, so that every row's
-            # largest is 1 and fp16 keeps its precision for blocks far below the running maximum;
-            # the block's weight relative to the running maximum multiplies the dot's result.
-            m_block = tl.max(score, 1)
-            m_new = tl.maximum(m, m_block)
-            alpha = tl.exp2(m - m_new)
-            weight = tl.exp2(m_block - m_new)
-            p = tl.exp2(score - m_block[:, None])
-            if ROW_SUMS:
-                row_sums = row_sums * alpha[:, None] + p * weight[:, None]
-            else:
-                s = s * alpha + tl.sum(p, 1) * weight
-            v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
-            if SPLIT_VMAX:
-                p = (p * (v_scale / v_top)[None, :]).to(tl.float16)
-            else:
-                v_max = tl.max(v_scale, 0)
-                v_max = tl.where(v_max > 0, v_max, 1.0)
-                weight = weight * v_max
-                p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-            v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
-            if ASM:
-                pv_even = tl.dot(p, v_even)
-                pv_odd = tl.dot(p, v_odd)
-            else:
-                pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
-                pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
-            acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
-            acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
-            m = m_new
+            m, s, row_sums, acc_even, acc_odd = _pairs_step(
+                q_even, q_odd, score_scale, m, s, row_sums, v_top, acc_even, acc_odd, K, V, KS, VS, page, row, live,
+                kvh, offs_w, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM, SPLIT_VMAX, ROW_SUMS)
         if ROW_SUMS:
             s = tl.sum(row_sums, 1)
-        divisor = s / v_top  # the accumulators hold V's scales divided by v_top (1 but under SPLIT_VMAX)
-        if SINGLE:
-            o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
-            tl.store(o_ptr, (acc_even / divisor[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
-            tl.store(o_ptr + 1, (acc_odd / divisor[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
-        else:
-            o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
-            tl.store(o_ptr, acc_even / divisor[:, None], mask=mask_h[:, None])
-            tl.store(o_ptr + 1, acc_odd / divisor[:, None], mask=mask_h[:, None])
-            tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
-            if FUSED:
-                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
-                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                               BLOCK_H, HEAD_DIM)
+        # The accumulators hold V's scales divided by v_top (1 but under SPLIT_VMAX).
+        _pairs_store(MID_O, MID_LSE, OUT, b, split, heads, mask_h, offs_w, m, s, s / v_top, acc_even, acc_odd,
+                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
+        if FUSED and not SINGLE:
+            _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                           BLOCK_H, HEAD_DIM)
 
 
 @triton.jit

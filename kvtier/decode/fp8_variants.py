@@ -18,9 +18,11 @@ from kvtier.decode.attention import (
     _block_pages,
     _fp8_pairs_to_f16,
     _next_block,
+    _pairs_query,
+    _pairs_step,
+    _pairs_store,
     _query_powers,
     _split_range,
-    _token_scales,
 )
 
 
@@ -32,75 +34,6 @@ def _stacks(group: int, page_size: int, block_n: int) -> bool:
         return False
     sub = MIN_DOT // group
     return page_size % sub == 0 and block_n % sub == 0 and block_n // sub >= MIN_DOT
-
-
-@triton.jit
-def _pairs_head_step(
-    q_even, q_odd, m, s, acc_even, acc_odd, K, V, KS, VS, page, row, live, kvh, score_scale, offs_w,
-    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-    stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
-    FP8: tl.constexpr, ASM: tl.constexpr,
-):
-    """One block of one kv head as _decode_split_pairs's loop runs it: (m, s, acc_even, acc_odd) after it."""
-    k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
-    v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
-    k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
-    if ASM:
-        score = tl.dot(q_even, tl.trans(k_even))
-        score = tl.dot(q_odd, tl.trans(k_odd), score)
-    else:
-        score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
-        score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
-    k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
-    score = score * (k_scale * score_scale)[None, :]
-    score = tl.where(live[None, :], score, float("-inf"))
-    m_block = tl.max(score, 1)
-    m_new = tl.maximum(m, m_block)
-    alpha = tl.exp2(m - m_new)
-    weight = tl.exp2(m_block - m_new)
-    p = tl.exp2(score - m_block[:, None])
-    s = s * alpha + tl.sum(p, 1) * weight
-    v_scale = _token_scales(VS, page, row, kvh, stride_vsp, stride_vst, stride_vsh, live)
-    v_max = tl.max(v_scale, 0)
-    v_max = tl.where(v_max > 0, v_max, 1.0)
-    weight = weight * v_max
-    p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-    v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
-    if ASM:
-        pv_even = tl.dot(p, v_even)
-        pv_odd = tl.dot(p, v_odd)
-    else:
-        pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
-        pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
-    acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
-    acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
-    return m_new, s, acc_even, acc_odd
-
-
-@triton.jit
-def _pairs_head_query(Q, b, stride_qb, stride_qh, heads, mask_h, offs_w, qk_scale):
-    """A kv head's query rows as _decode_split_pairs scales them: (score_scale, q_even, q_odd) in fp16."""
-    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + 2 * offs_w[None, :]
-    q_even = tl.load(q_ptr, mask=mask_h[:, None], other=0.0).to(tl.float32)
-    q_odd = tl.load(q_ptr + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
-    q_max = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
-    score_scale, q_factor = _query_powers(q_max, qk_scale, 13)
-    return score_scale, (q_even * q_factor).to(tl.float16), (q_odd * q_factor).to(tl.float16)
-
-
-@triton.jit
-def _pairs_head_store(MID_O, MID_LSE, OUT, b, split, heads, mask_h, offs_w, m, s, acc_even, acc_odd,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                      SINGLE: tl.constexpr):
-    if SINGLE:
-        o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * offs_w[None, :]
-        tl.store(o_ptr, (acc_even / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
-        tl.store(o_ptr + 1, (acc_odd / s[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
-    else:
-        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + 2 * offs_w[None, :]
-        tl.store(o_ptr, acc_even / s[:, None], mask=mask_h[:, None])
-        tl.store(o_ptr + 1, acc_odd / s[:, None], mask=mask_h[:, None])
-        tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
 
 
 @triton.jit
@@ -141,8 +74,8 @@ def _decode_split_pairs_two_heads(
         heads0 = kv0 * GROUP + offs_h
         heads1 = heads0 + GROUP
         offs_w = tl.arange(0, HALF_D)
-        score_scale0, q0_even, q0_odd = _pairs_head_query(Q, b, stride_qb, stride_qh, heads0, mask_h, offs_w, qk_scale)
-        score_scale1, q1_even, q1_odd = _pairs_head_query(Q, b, stride_qb, stride_qh, heads1, mask_h, offs_w, qk_scale)
+        score_scale0, q0_even, q0_odd = _pairs_query(Q, b, stride_qb, stride_qh, heads0, mask_h, offs_w, qk_scale)
+        score_scale1, q1_even, q1_odd = _pairs_query(Q, b, stride_qb, stride_qh, heads1, mask_h, offs_w, qk_scale)
         m0 = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s0 = tl.zeros([BLOCK_H], tl.float32)
         a0_even = tl.zeros([BLOCK_H, HALF_D], tl.float32)
@@ -157,18 +90,19 @@ def _decode_split_pairs_two_heads(
         for n0 in range(start, end, BLOCK_N):
             live, page, row, page_ahead = _next_block(
                 PT, b, stride_ptb, n0, end, page_ahead, BLOCK_N, PAGE_SIZE, PAGE_AHEAD)
-            m0, s0, a0_even, a0_odd = _pairs_head_step(
-                q0_even, q0_odd, m0, s0, a0_even, a0_odd, K, V, KS, VS, page, row, live, kv0, score_scale0, offs_w,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM)
-            m1, s1, a1_even, a1_odd = _pairs_head_step(
-                q1_even, q1_odd, m1, s1, a1_even, a1_odd, K, V, KS, VS, page, row, live, kv0 + 1, score_scale1, offs_w,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM)
-        _pairs_head_store(MID_O, MID_LSE, OUT, b, split, heads0, mask_h, offs_w, m0, s0, a0_even, a0_odd,
-                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
-        _pairs_head_store(MID_O, MID_LSE, OUT, b, split, heads1, mask_h, offs_w, m1, s1, a1_even, a1_odd,
-                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
+            # Each head as _decode_split_pairs's loop runs it (no row sums, V's scales per block).
+            m0, s0, _, a0_even, a0_odd = _pairs_step(
+                q0_even, q0_odd, score_scale0, m0, s0, 0.0, 1.0, a0_even, a0_odd, K, V, KS, VS, page, row, live,
+                kv0, offs_w, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM, False, False)
+            m1, s1, _, a1_even, a1_odd = _pairs_step(
+                q1_even, q1_odd, score_scale1, m1, s1, 0.0, 1.0, a1_even, a1_odd, K, V, KS, VS, page, row, live,
+                kv0 + 1, offs_w, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, FP8, ASM, False, False)
+        _pairs_store(MID_O, MID_LSE, OUT, b, split, heads0, mask_h, offs_w, m0, s0, s0, a0_even, a0_odd,
+                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
+        _pairs_store(MID_O, MID_LSE, OUT, b, split, heads1, mask_h, offs_w, m1, s1, s1, a1_even, a1_odd,
+                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
 
 
 @triton.jit
