@@ -345,6 +345,19 @@ def test_programs_per_sm_sets_the_split_plan():
         paged_decode_attention(**args, programs_per_sm=0)
 
 
+def test_maxnreg_is_checked_and_keeps_the_result():
+    """maxnreg caps the split kernel's registers on a GPU (the interpreter ignores it): any valid
+    cap gives the reference's result, a bad one is refused before a launch."""
+    args = make_case(1500, "fp8_e4m3", "per_token_head", "nhd", batch=2, max_len=200)
+    for cap in (128, 255):
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, maxnreg=cap, programs_per_sm=5)
+        assert_close_to_reference(out, args)
+    for bad in (0, 23, 256, 128.0, True, "128"):
+        with pytest.raises(ValueError, match="maxnreg"):
+            paged_decode_attention(**args, maxnreg=bad)
+
+
 def test_pages_read_in_place_through_strides():
     """K and V interleaved in one engine tensor (pages, 2, *plane): views with a page stride twice the plane's."""
     args = make_case(300, "fp8_e5m2", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)

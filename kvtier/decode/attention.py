@@ -948,6 +948,7 @@ def paged_decode_attention(
     merge: str | None = None,
     kv_per_program: int | None = None,
     programs_per_sm: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its KV pages: (batch, q_heads, head_dim).
 
@@ -978,7 +979,10 @@ def paged_decode_attention(
     two dividing the kv heads; default 1): their query heads stacked as rows, see
     _decode_split_pairs_kv; other paths read one. programs_per_sm: programs of this kernel
     configuration resident on one SM, the split plan's wave (default: the dtype's DEFAULT_CONFIGS
-    entry where it names one, else PROGRAMS_PER_SM). block_n, num_warps, num_stages, fp8_dot and
+    entry where it names one, else PROGRAMS_PER_SM). maxnreg: the most registers a thread of the
+    split kernel may hold (ptxas spills the rest; None: as many as it likes, up to 255): fewer
+    registers let more programs share an SM (raise programs_per_sm with it); the interpreter
+    ignores it. block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
@@ -997,6 +1001,9 @@ def paged_decode_attention(
     per_sm = defaults.get("programs_per_sm", PROGRAMS_PER_SM) if programs_per_sm is None else programs_per_sm
     if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
         raise ValueError(f"programs_per_sm must be an int >= 1, got {programs_per_sm!r}")
+    maxnreg = defaults.get("maxnreg") if maxnreg is None else maxnreg
+    if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
+        raise ValueError(f"maxnreg must be an int from 24 to 255 or None, got {maxnreg!r}")
     kvp = defaults.get("kv_per_program", 1) if kv_per_program is None else kv_per_program
     if isinstance(kvp, bool) or not isinstance(kvp, int) or kvp < 1 or kvp & (kvp - 1) or heads % kvp:
         raise ValueError(f"kv_per_program must be a power of two dividing the kv heads ({heads}), got {kv_per_program!r}")
@@ -1093,6 +1100,7 @@ def paged_decode_attention(
         **flags,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if single or fused:
         return out

@@ -1,0 +1,94 @@
+"""Issue 25: do more fp8 decode programs an SM, bought with a register cap, read HBM faster?
+
+The fp8 default (128 tokens, 2 warps, 2 stages) compiles to 255 registers a thread, so an SM
+holds 4 of its programs (12.5% occupancy) and ncu on an H100 found it waiting on memory
+(BENCHMARKS.md, "The probe, run"). This times, as scripts/decode_layout_probe.py does (CUDA
+graph replay, L2 flushed clean, x of a same-run device-to-device copy's HBM traffic), the
+default beside configurations that cap registers with `maxnreg` (ptxas spills the rest) and
+raise `programs_per_sm` to what the cap and their shared memory allow (offline sm_90 counts in
+the table below), each first checked against the float64 reference on the GPU, on "nhd" pages
+at batch 16 x 8k, 16 x 32k, 64 x 8k and 64 x 1k, beside the bf16 default. Needs CUDA.
+
+    PYTHONPATH=. python3 scripts/decode_regs_probe.py      # writes $OUT/regs_probe.json
+
+Offline (Triton 3.9, sm_90): registers / local loads and stores / shared memory a program:
+128/2w/2s 255 / 34 / 42 KB (cap 168: 240 local, cap 128: 411); 64/2w/3s 180 / 0 / 40 KB;
+64/2w/2s 181 / 0 / 23 KB (cap 168: 20 local, cap 128: 105); 128/4w/2s 157 / 0 / 42 KB (cap 128: 59).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from kvtier.decode.attention import paged_decode_attention  # noqa: E402
+
+import decode_attention as bench  # noqa: E402  benchmarks/decode_attention.py
+import decode_sweep_h200 as sweep  # noqa: E402  scripts/decode_sweep_h200.py
+
+
+def pairs(block_n: int, warps: int, stages: int, per_sm: int, maxnreg: int | None = None) -> dict:
+    config = dict(block_n=block_n, num_warps=warps, num_stages=stages, fp8_dot="pairs", page_ahead=True,
+                  programs_per_sm=per_sm)
+    if maxnreg is not None:
+        config["maxnreg"] = maxnreg
+    return config
+
+
+CONFIGS = {
+    "fp8 default 128/2w/2s/4": ("fp8", {}),
+    "fp8 128/2w/2s/5 cap 168": ("fp8", pairs(128, 2, 2, 5, 168)),
+    "fp8 64/2w/3s/5": ("fp8", pairs(64, 2, 3, 5)),
+    "fp8 64/2w/2s/5": ("fp8", pairs(64, 2, 2, 5)),
+    "fp8 64/2w/2s/6 cap 168": ("fp8", pairs(64, 2, 2, 6, 168)),
+    "fp8 64/2w/2s/8 cap 128": ("fp8", pairs(64, 2, 2, 8, 128)),
+    "fp8 128/4w/2s/4 cap 128": ("fp8", pairs(128, 4, 2, 4, 128)),
+    "bf16 default": ("bf16", {}),
+}
+SHAPES = [(16, 8192), (16, 32768), (64, 8192), (64, 1024)]
+
+
+def main() -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    checked = {}
+    for name, (dtype, config) in CONFIGS.items():
+        if dtype == "fp8" and config:
+            try:
+                checked[name] = sweep.numerics(dtype, config, torch.Generator().manual_seed(5), "cuda")
+                print(f"numerics {name}: worst / bound {checked[name]:.3f}", flush=True)
+            except Exception as error:  # noqa: BLE001 - reported; the config is left out of the timing
+                checked[name] = repr(error)[:300]
+                print(f"numerics {name}: FAILED {checked[name]}", flush=True)
+    copy = bench.copy_rate(True, "cuda")["hbm_gbps"]
+    print(f"device-to-device copy {copy:.0f} GB/s of HBM traffic", flush=True)
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for batch, context in SHAPES:
+        for dtype in ("fp8", "bf16"):
+            inputs = bench.make_inputs(batch, context, dtype, "cuda", gen, layout="nhd")
+            nbytes = bench.bytes_read(inputs, context)
+            for name, (kind, config) in CONFIGS.items():
+                if kind != dtype or isinstance(checked.get(name, 0.0), str) or checked.get(name, 0.0) > 1.0:
+                    continue
+                seconds = bench.time_replay(lambda: paged_decode_attention(**inputs, **config))
+                of_copy = nbytes / seconds / 1e9 / copy
+                rows.append(dict(config=name, batch=batch, context=context, us=seconds * 1e6, of_copy=of_copy))
+                print(f"{name:<26} {batch:>3} x {context // 1024:>2}k {seconds * 1e6:8.1f} us {of_copy:5.2f}x", flush=True)
+            inputs = None
+            torch.cuda.empty_cache()
+    out = Path(os.environ.get("OUT", "/tmp")) / "regs_probe.json"
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy=copy, numerics=checked, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
