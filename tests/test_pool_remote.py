@@ -216,6 +216,54 @@ def test_a_load_larger_than_the_host_tier_says_so(tmp_path, gen):
     small.close()
 
 
+def test_flush_returns_once_its_pages_are_durable_while_commits_keep_the_backup_queue_busy(tmp_path, gen):
+    """Backups slowed at the store's fault seam and a committer that never pauses: the backup
+    queue never drains, and flush still returns once the pages dirty when it began are durable
+    (it used to wait for an empty queue, and under steady commits never returned)."""
+    pool = make_pool(tmp_path, write_policy="write_through", device_pages=32, host_pages=64)
+    pool.remote.faults.before_publish = lambda ids: time.sleep(0.01)
+    truth, lock, stop, errors = {}, threading.Lock(), threading.Event(), []
+
+    def committer():
+        try:
+            g = torch.Generator().manual_seed(77)
+            n = 0
+            while not stop.is_set():
+                keys = prefix_keys(list(range(32 * n, 32 * n + 32)), 8, pool.namespace)
+                n += 1
+                slots = pool.allocate(len(keys))
+                fill_random(pool, slots, g)
+                pages = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+                pool.commit(keys, slots)
+                pool.release(slots)
+                with lock:
+                    truth.update(pages)
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    thread = threading.Thread(target=committer)
+    thread.start()
+    try:
+        waited = time.monotonic() + 60
+        while pool.stats()["backup_queue"] < 8:  # the committer ahead of the backups
+            assert time.monotonic() < waited and not errors, errors or "the committer never got ahead of the backups"
+            time.sleep(0.002)
+        with lock:
+            before = list(truth)
+        assert pool.flush() == 0
+        assert all(pool.remote.contains(before))  # durable in the last tier
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    pool.remote.faults.before_publish = None
+    assert pool.flush() == 0
+    pool.evict(tier="device")
+    pool.evict(tier="host")
+    check(pool, list(truth)[-40:], truth)
+    pool.close()
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_flush_beside_steady_commits_makes_what_was_dirty_durable_and_reports_no_failure(tmp_path, gen, policy, caplog):
     pool = make_pool(tmp_path, write_policy=policy, device_pages=32, host_pages=64)

@@ -16,6 +16,11 @@ from kvtier.index import PageState
 
 S = PageState
 log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever file speaks
+# A flush looks again at what it owes this often while backups are still queued (under steady
+# commits the backup queue may never drain, and the pages owed are done long before it does), or
+# less often where looking takes long: at most FLUSH_LOOK_SHARE of the time, under the lock.
+FLUSH_ROUND_S = 0.25
+FLUSH_LOOK_SHARE = 0.05
 
 
 class Draining:
@@ -30,17 +35,24 @@ class Draining:
         dropped = self.counters.dropped
         dropped_before = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0)
         last = None
+        stuck = False
+        round_s = FLUSH_ROUND_S
         owed = None  # key ids of the pages not durable when the flush started
         probe_first = True
         while True:
             with self._lock:
+                began = time.monotonic()
                 self._reap()
                 if owed is None:
                     owed = set().union(*self._not_durable_ids())
                 # Host pages first: their backups probe a remote tier the breaker holds off.
+                # A page already queued keeps its place (appending would move it behind the
+                # pages committed since, which steady commits would keep doing).
                 if self._link is not None:
+                    queue = self._backup_queue
                     for s in self._host.idle(self._host.dirty_kept(keep)):
-                        self._backup_queue.append(s)
+                        if s not in queue:
+                            queue.append(s)
                     if len(self._backup_queue):
                         self._breaker.force_probe()
                         self._backup_work.notify()
@@ -57,19 +69,24 @@ class Draining:
                 probe_first = False
                 if dev_dirty and not waiting_for_probe:
                     self._copy_down(dev_dirty, evicting=False)
-            # Wait for everything this round started, then look again while that helps.
-            self._wait_idle(deadline)
+                locked = time.monotonic() - began
+            # Wait for everything this round started (or a round's time, while backups are still
+            # queued), then look again while that helps.
+            idle = self._wait_idle(deadline, round_s)
             with self._lock:
                 self._reap()
+                looked = time.monotonic()
                 on_device, on_host = self._not_durable_ids() if owed and self._any_not_durable() else (set(), set())
+                round_s = max(FLUSH_ROUND_S, (locked + time.monotonic() - looked) / FLUSH_LOOK_SHARE)
                 owed &= on_device | on_host
                 left = len(owed)
-                # Progress is a page a tier nearer durable: one copied down from the device counts.
-                distance = left + len(owed & on_device)
-                stuck = last is not None and distance >= last and not waiting_for_probe
+                if idle:  # progress is judged between idle rounds only
+                    # Progress is a page a tier nearer durable: one copied down from the device counts.
+                    distance = left + len(owed & on_device)
+                    stuck = last is not None and distance >= last and not waiting_for_probe
+                    last = distance
             if not left or stuck or (deadline is not None and time.monotonic() >= deadline):
                 break
-            last = distance
         gone = dropped.get("not_encodable", 0) + dropped.get("remote_unavailable", 0) - dropped_before
         if left + gone:
             log.warning("flush: %d pages could not be made durable (remote failures: %s; last error: %s)",
@@ -100,27 +117,34 @@ class Draining:
         return bool(dev[S.DIRTY] or dev[S.OFFLOADING]
                     or self._link is not None and (host[S.DIRTY] or host[S.OFFLOADING]))
 
-    def _wait_idle(self, deadline: float | None) -> None:
+    def _wait_idle(self, deadline: float | None, round_s: float | None = None) -> bool:
         """Wait outside the lock until no engine copy is in flight and the backup queue has
         drained, the breaker refuses to try again, or the backup in flight has stalled inside
-        the store, before `deadline`."""
+        the store, before `deadline`. Returns True then; False once `round_s` has passed with
+        backups still queued or running (the caller looks at what it owes and comes back)."""
+        round_end = None if round_s is None else time.monotonic() + round_s
         while True:
             with self._lock:
                 self._reap()
                 tickets = [t for t, _ in self._inflight]
                 if not tickets:
                     if self._link is None:
-                        return
+                        return True
                     # A backup stalled inside the store (room.py, `_backup_stalled`) is not waited
                     # for: it may never return, and the writer waits in it, so the queue cannot move.
                     stalled = self._backups_stalled
                     busy = self._backups_in_flight > stalled or (
                         not stalled and len(self._backup_queue) and self._breaker.wait_s() == 0)
                     if not busy:
-                        return
-                    remaining = None if deadline is None else deadline - time.monotonic()
+                        return True
+                    now = time.monotonic()
+                    remaining = None if deadline is None else deadline - now
                     if remaining is not None and remaining <= 0:
-                        return
+                        return True
+                    if round_end is not None:
+                        if now >= round_end:
+                            return False
+                        remaining = round_end - now if remaining is None else min(remaining, round_end - now)
                     self._changed.wait(timeout=remaining if remaining is not None else 1.0)
                     continue
             for ticket in tickets:
