@@ -981,8 +981,8 @@ def paged_decode_attention(
     configuration resident on one SM, the split plan's wave (default: the dtype's DEFAULT_CONFIGS
     entry where it names one, else PROGRAMS_PER_SM). maxnreg: the most registers a thread of the
     split kernel may hold (ptxas spills the rest; None: as many as it likes, up to 255): fewer
-    registers let more programs share an SM (raise programs_per_sm with it); the interpreter
-    ignores it. block_n, num_warps, num_stages, fp8_dot and
+    registers let more programs share an SM (raise programs_per_sm with it; on an H100 no capped
+    configuration beat the default, BENCHMARKS.md); the interpreter ignores it. block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
