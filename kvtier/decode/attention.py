@@ -332,6 +332,42 @@ def _fp8_pairs_to_f16(x, FP8: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _qk_pairs(q_even, q_odd, k_even, k_odd, ASM: tl.constexpr):
+    """Scores of fp16 query rows against a block's K, even and odd columns apart (_fp8_pairs_to_f16)."""
+    if ASM:
+        score = tl.dot(q_even, tl.trans(k_even))
+        score = tl.dot(q_odd, tl.trans(k_odd), score)
+    else:  # the interpreter's dot: fp32 operands holding the same values
+        score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
+        score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+    return score
+
+
+@triton.jit
+def _softmax_block(score, m):
+    """One block of an online softmax: (m_new, alpha, weight, p). Probabilities relative to each
+    row's largest score in this block, so that every row's largest is 1 and fp16 keeps its
+    precision for blocks far below the running maximum; the block's weight relative to the
+    running maximum multiplies the dot's result, alpha rescales what came before."""
+    m_block = tl.max(score, 1)
+    m_new = tl.maximum(m, m_block)
+    return m_new, tl.exp2(m - m_new), tl.exp2(m_block - m_new), tl.exp2(score - m_block[:, None])
+
+
+@triton.jit
+def _pv_pairs(p, v_even, v_odd, acc_even, acc_odd, alpha, weight, ASM: tl.constexpr):
+    """The accumulators after one block: rescaled by alpha, plus fp16 probabilities times V's
+    even and odd columns times weight."""
+    if ASM:
+        pv_even = tl.dot(p, v_even)
+        pv_odd = tl.dot(p, v_odd)
+    else:
+        pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
+        pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
+    return acc_even * alpha[:, None] + pv_even * weight[:, None], acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+
+
+@triton.jit
 def _pairs_query(Q, b, stride_qb, stride_qh, heads, mask_h, offs_w, qk_scale):
     """A kv head's query rows for _decode_split_pairs's dots: (score scale, even columns, odd
     columns), scaled by a power of two into fp16's range (_query_powers)."""
@@ -355,23 +391,11 @@ def _pairs_step(
     k_ptr = K + page[:, None] * stride_kp + row[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :]
     v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :]
     k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
-    if ASM:
-        score = tl.dot(q_even, tl.trans(k_even))
-        score = tl.dot(q_odd, tl.trans(k_odd), score)
-    else:  # the interpreter's dot: fp32 operands holding the same values
-        score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
-        score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+    score = _qk_pairs(q_even, q_odd, k_even, k_odd, ASM)
     k_scale = _token_scales(KS, page, row, kvh, stride_ksp, stride_kst, stride_ksh, live)
     score = score * (k_scale * score_scale)[None, :]
     score = tl.where(live[None, :], score, float("-inf"))
-    # Probabilities relative to each row's largest score in this block, so that every row's
-    # largest is 1 and fp16 keeps its precision for blocks far below the running maximum;
-    # the block's weight relative to the running maximum multiplies the dot's result.
-    m_block = tl.max(score, 1)
-    m_new = tl.maximum(m, m_block)
-    alpha = tl.exp2(m - m_new)
-    weight = tl.exp2(m_block - m_new)
-    p = tl.exp2(score - m_block[:, None])
+    m_new, alpha, weight, p = _softmax_block(score, m)
     if ROW_SUMS:
         row_sums = row_sums * alpha[:, None] + p * weight[:, None]
     else:
@@ -385,14 +409,7 @@ def _pairs_step(
         weight = weight * v_max
         p = (p * (v_scale / v_max)[None, :]).to(tl.float16)
     v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
-    if ASM:
-        pv_even = tl.dot(p, v_even)
-        pv_odd = tl.dot(p, v_odd)
-    else:
-        pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
-        pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
-    acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
-    acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+    acc_even, acc_odd = _pv_pairs(p, v_even, v_odd, acc_even, acc_odd, alpha, weight, ASM)
     return m_new, s, row_sums, acc_even, acc_odd
 
 
@@ -569,21 +586,12 @@ def _decode_split_pairs_kv(
             v_ptr = V + page[:, None] * stride_vp + row[:, None] * stride_vt + (kv0 + word_kv[None, :]) * stride_vh \
                 + word_d[None, :]
             k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live[:, None], other=0), FP8, ASM)
-            if ASM:
-                score = tl.dot(q_even, tl.trans(k_even))
-                score = tl.dot(q_odd, tl.trans(k_odd), score)
-            else:  # the interpreter's dot: fp32 operands holding the same values
-                score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
-                score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+            score = _qk_pairs(q_even, q_odd, k_even, k_odd, ASM)
             k_scale = tl.load(KS + page[None, :] * stride_ksp + row[None, :] * stride_kst + row_heads[:, None] * stride_ksh,
                               mask=live[None, :], other=0.0)
             score = score * (k_scale * score_scale)
             score = tl.where(live[None, :], score, float("-inf"))
-            m_block = tl.max(score, 1)
-            m_new = tl.maximum(m, m_block)
-            alpha = tl.exp2(m - m_new)
-            weight = tl.exp2(m_block - m_new)
-            p = tl.exp2(score - m_block[:, None])
+            m_new, alpha, weight, p = _softmax_block(score, m)
             s = s * alpha + tl.sum(p, 1) * weight
             v_scale = tl.load(VS + page[None, :] * stride_vsp + row[None, :] * stride_vst + row_heads[:, None] * stride_vsh,
                               mask=live[None, :], other=0.0)
@@ -592,14 +600,7 @@ def _decode_split_pairs_kv(
             weight = weight * v_max
             p = (p * (v_scale / v_max[:, None])).to(tl.float16)
             v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live[:, None], other=0), FP8, ASM)
-            if ASM:
-                pv_even = tl.dot(p, v_even)
-                pv_odd = tl.dot(p, v_odd)
-            else:
-                pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
-                pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
-            acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
-            acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+            acc_even, acc_odd = _pv_pairs(p, v_even, v_odd, acc_even, acc_odd, alpha, weight, ASM)
             m = m_new
         if SINGLE:
             o_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + 2 * word_d[None, :]

@@ -21,6 +21,8 @@ from kvtier.decode.attention import (
     _pairs_query,
     _pairs_step,
     _pairs_store,
+    _pv_pairs,
+    _qk_pairs,
     _query_powers,
     _split_range,
 )
@@ -192,12 +194,7 @@ def _decode_split_pairs_stacked(
             live_kv = (first[:, None] + c_sub[None, :]) < end
             k_ptr = K + page[:, None] * stride_kp + in_page[:, None] * stride_kt + k_cols[None, :]
             k_even, k_odd = _fp8_pairs_to_f16(tl.load(k_ptr, mask=live_kv, other=0), FP8, ASM)
-            if ASM:
-                score = tl.dot(q_even, tl.trans(k_even))
-                score = tl.dot(q_odd, tl.trans(k_odd), score)
-            else:  # the interpreter's dot: fp32 operands holding the same values
-                score = tl.dot(q_even.to(tl.float32), tl.trans(k_even.to(tl.float32)))
-                score = tl.dot(q_odd.to(tl.float32), tl.trans(k_odd.to(tl.float32)), score)
+            score = _qk_pairs(q_even, q_odd, k_even, k_odd, ASM)
             live = (first[None, :] + r_sub[:, None]) < end
             row_of = page[None, :] * stride_ksp + (in_page[None, :] + r_sub[:, None]) * stride_kst + kvh * stride_ksh
             k_scale = tl.load(KS + row_of, mask=live, other=0.0)
@@ -220,14 +217,7 @@ def _decode_split_pairs_stacked(
             p = (p * (v_scale / v_max[:, None])).to(tl.float16)
             v_ptr = V + page[:, None] * stride_vp + in_page[:, None] * stride_vt + v_cols[None, :]
             v_even, v_odd = _fp8_pairs_to_f16(tl.load(v_ptr, mask=live_kv, other=0), FP8, ASM)
-            if ASM:
-                pv_even = tl.dot(p, v_even)
-                pv_odd = tl.dot(p, v_odd)
-            else:
-                pv_even = tl.dot(p.to(tl.float32), v_even.to(tl.float32))
-                pv_odd = tl.dot(p.to(tl.float32), v_odd.to(tl.float32))
-            acc_even = acc_even * alpha[:, None] + pv_even * weight[:, None]
-            acc_odd = acc_odd * alpha[:, None] + pv_odd * weight[:, None]
+            acc_even, acc_odd = _pv_pairs(p, v_even, v_odd, acc_even, acc_odd, alpha, weight, ASM)
             m = m_new
         # Each row's own slice's columns, then each head's SUB slices merged by log-sum-exp.
         o_even = tl.sum(tl.reshape(tl.where(own, acc_even, 0.0), [BLOCK_H, SUB, HALF_D]), 1)
