@@ -216,6 +216,26 @@ def test_a_load_larger_than_the_host_tier_says_so(tmp_path, gen):
     small.close()
 
 
+def commit_steadily(pool, base, truth, lock, stop, errors):
+    """Commit 4 fresh random pages at a time until `stop`, each page listed in `truth` once
+    committed; an exception ends the thread into `errors`."""
+    try:
+        g = torch.Generator().manual_seed(base)
+        n = 0
+        while not stop.is_set():
+            keys = prefix_keys(list(range(base + 32 * n, base + 32 * n + 32)), 8, pool.namespace)
+            n += 1
+            slots = pool.allocate(len(keys))
+            fill_random(pool, slots, g)
+            pages = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+            pool.commit(keys, slots)
+            pool.release(slots)
+            with lock:
+                truth.update(pages)
+    except Exception as exc:
+        errors.append(repr(exc))
+
+
 def test_flush_returns_once_its_pages_are_durable_while_commits_keep_the_backup_queue_busy(tmp_path, gen):
     """Backups slowed at the store's fault seam and a committer that never pauses: the backup
     queue never drains, and flush still returns once the pages dirty when it began are durable
@@ -223,25 +243,7 @@ def test_flush_returns_once_its_pages_are_durable_while_commits_keep_the_backup_
     pool = make_pool(tmp_path, write_policy="write_through", device_pages=32, host_pages=64)
     pool.remote.faults.before_publish = lambda ids: time.sleep(0.01)
     truth, lock, stop, errors = {}, threading.Lock(), threading.Event(), []
-
-    def committer():
-        try:
-            g = torch.Generator().manual_seed(77)
-            n = 0
-            while not stop.is_set():
-                keys = prefix_keys(list(range(32 * n, 32 * n + 32)), 8, pool.namespace)
-                n += 1
-                slots = pool.allocate(len(keys))
-                fill_random(pool, slots, g)
-                pages = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
-                pool.commit(keys, slots)
-                pool.release(slots)
-                with lock:
-                    truth.update(pages)
-        except Exception as exc:
-            errors.append(repr(exc))
-
-    thread = threading.Thread(target=committer)
+    thread = threading.Thread(target=commit_steadily, args=(pool, 0, truth, lock, stop, errors))
     thread.start()
     try:
         waited = time.monotonic() + 60
@@ -267,29 +269,9 @@ def test_flush_returns_once_its_pages_are_durable_while_commits_keep_the_backup_
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_flush_beside_steady_commits_makes_what_was_dirty_durable_and_reports_no_failure(tmp_path, gen, policy, caplog):
     pool = make_pool(tmp_path, write_policy=policy, device_pages=32, host_pages=64)
-    truth = {}
-    lock = threading.Lock()
-    stop = threading.Event()
-    errors = []
-
-    def committer(base):
-        try:
-            g = torch.Generator().manual_seed(base)
-            n = 0
-            while not stop.is_set():
-                keys = prefix_keys(list(range(base + 32 * n, base + 32 * n + 32)), 8, pool.namespace)
-                n += 1
-                slots = pool.allocate(len(keys))
-                fill_random(pool, slots, g)
-                pages = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
-                pool.commit(keys, slots)
-                pool.release(slots)
-                with lock:
-                    truth.update(pages)  # listed once committed
-        except Exception as exc:
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=committer, args=(base,)) for base in (0, 10**7)]
+    truth, lock, stop, errors = {}, threading.Lock(), threading.Event(), []
+    threads = [threading.Thread(target=commit_steadily, args=(pool, base, truth, lock, stop, errors))
+               for base in (0, 10**7)]
     for t in threads:
         t.start()
     try:
