@@ -134,7 +134,8 @@ def main() -> int:
             try:
                 kernel, signature, constexprs, attrs = kernel_and_args(dtype, config)
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                          options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]))
+                                          options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"],
+                                                       maxnreg=config.get("maxnreg")))
                 slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
                 row = dict(shared=compiled.metadata.shared)
                 row.update(sass_counts(compiled.asm["cubin"], args.sass_dir / f"{slug}.cubin"))

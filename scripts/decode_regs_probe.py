@@ -10,6 +10,7 @@ the table below), each first checked against the float64 reference on the GPU, o
 at batch 16 x 8k, 16 x 32k, 64 x 8k and 64 x 1k, beside the bf16 default. Needs CUDA.
 
     PYTHONPATH=. python3 scripts/decode_regs_probe.py      # writes $OUT/regs_probe.json
+    PYTHONPATH=. python3 scripts/decode_regs_probe.py --more   # around 128/4w/2s cap 128: regs_probe_more.json
 
 Offline (Triton 3.9, sm_90): registers / local loads and stores / shared memory a program:
 128/2w/2s 255 / 34 / 42 KB (cap 168: 240 local, cap 128: 411); 64/2w/3s 180 / 0 / 40 KB;
@@ -54,10 +55,25 @@ CONFIGS = {
     "fp8 128/4w/2s/4 cap 128": ("fp8", pairs(128, 4, 2, 4, 128)),
     "bf16 default": ("bf16", {}),
 }
+# --more: around the best capped configuration of the first run (128 / 4 warps / 2 stages, cap 128)
+MORE = {
+    "fp8 default 128/2w/2s/4": ("fp8", {}),
+    "fp8 128/4w/2s/4 cap 128": ("fp8", pairs(128, 4, 2, 4, 128)),
+    "fp8 128/4w/2s/5 cap 96": ("fp8", pairs(128, 4, 2, 5, 96)),
+    "fp8 128/4w/2s/3": ("fp8", pairs(128, 4, 2, 3)),
+    "fp8 128/4w/3s/3 cap 168": ("fp8", pairs(128, 4, 3, 3, 168)),
+    "fp8 64/4w/2s/4 cap 128": ("fp8", pairs(64, 4, 2, 4, 128)),
+    "fp8 64/4w/2s/5 cap 96": ("fp8", pairs(64, 4, 2, 5, 96)),
+    "fp8 128/4w/2s/8 cap 128": ("fp8", pairs(128, 4, 2, 8, 128)),
+    "bf16 default": ("bf16", {}),
+}
 SHAPES = [(16, 8192), (16, 32768), (64, 8192), (64, 1024)]
 
 
 def main() -> int:
+    global CONFIGS
+    if "--more" in sys.argv[1:]:
+        CONFIGS = MORE
     torch.backends.cuda.matmul.allow_tf32 = False
     checked = {}
     for name, (dtype, config) in CONFIGS.items():
@@ -85,7 +101,7 @@ def main() -> int:
                 print(f"{name:<26} {batch:>3} x {context // 1024:>2}k {seconds * 1e6:8.1f} us {of_copy:5.2f}x", flush=True)
             inputs = None
             torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "/tmp")) / "regs_probe.json"
+    out = Path(os.environ.get("OUT", "/tmp")) / ("regs_probe_more.json" if CONFIGS is MORE else "regs_probe.json")
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy=copy, numerics=checked, rows=rows), indent=1))
     return 0
 

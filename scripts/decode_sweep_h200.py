@@ -84,6 +84,7 @@ CANDIDATES = {
         "pairs 64/2w/3s ahead, 5 per SM": dict(_config(64, 2, 3, True, "pairs"), programs_per_sm=5),
         "pairs 64/2w/4s ahead, 4 per SM": dict(_config(64, 2, 4, True, "pairs"), programs_per_sm=4),
         "pairs 128/2w/2s ahead, 4 per SM": dict(_config(128, 2, 2, True, "pairs"), programs_per_sm=4),
+        "pairs 128/4w/2s ahead, cap 128, 4 per SM": dict(_config(128, 4, 2, True, "pairs"), programs_per_sm=4, maxnreg=128),
         # Several kv heads a program (kv_per_program): 2 -> 8 of 16 rows live and 256-byte pieces per
         # token under "nhd", 4 -> 16 of 16 and 512 bytes (H100 flush panel, 2026-12-05: "hnd" pages,
         # 2 KB pieces, read 0.92-0.97x at 8k-32k tokens against 0.81-0.87x for "nhd"'s 128 bytes).

@@ -358,6 +358,16 @@ def test_maxnreg_is_checked_and_keeps_the_result():
             paged_decode_attention(**args, maxnreg=bad)
 
 
+def test_the_default_register_cap_goes_with_the_default_kernel_shape_only():
+    from kvtier.decode.attention import DEFAULT_CONFIGS, default_maxnreg
+
+    fp8, bf16 = DEFAULT_CONFIGS["fp8"], DEFAULT_CONFIGS["16-bit"]
+    assert default_maxnreg(fp8, None, None, None, None) == fp8["maxnreg"] == 128
+    for named in ((64, None, None, None), (None, 2, None, None), (None, None, 3, None), (None, None, None, "mma")):
+        assert default_maxnreg(fp8, *named) is None
+    assert default_maxnreg(bf16, None, None, None, None) is None
+
+
 def test_pages_read_in_place_through_strides():
     """K and V interleaved in one engine tensor (pages, 2, *plane): views with a page stride twice the plane's."""
     args = make_case(300, "fp8_e5m2", "per_token_head", "nhd", head_dim=64, page_size=16, max_len=90)

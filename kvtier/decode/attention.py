@@ -72,10 +72,14 @@ MERGES = ("kernel", "fused")
 # three stages and the page table read a step ahead 0.69-0.83x of the HBM copy at batch 16 / 64
 # from 8k tokens against 0.67-0.79x with two stages; 16-bit pages 0.87-1.03x against 0.86-0.97x.
 DEFAULT_CONFIGS = {
-    # H100 sweep, 2026-12-05 (L2 flushed clean, BENCHMARKS.md): two warps, two stages and four
-    # programs an SM read fp8 pages at 0.82-0.91x of the copy rate from 8k tokens and 0.75x at
-    # batch 64 x 1k, against 0.81-0.87x and 0.61x for four warps, three stages, three an SM.
-    "fp8": dict(block_n=128, num_warps=2, num_stages=2, fp8_dot="pairs", page_ahead=True, programs_per_sm=4),
+    # H200 and H100, 2026-12-07 (scripts/decode_regs_probe.py, L2 flushed clean, BENCHMARKS.md):
+    # four warps, two stages, registers capped at 128 so that four programs share an SM, read fp8
+    # pages at 0.69 / 0.80 / 0.83x of the copy rate at batch 16 x 8k / 16 x 32k / 64 x 8k and
+    # 0.66x at 64 x 1k on the H200, against 0.70 / 0.80 / 0.71 / 0.59x for the earlier default
+    # (two warps, 255 registers, four an SM); on the H100 0.85 / 0.93 / 0.94 / 0.81x against
+    # 0.85 / 0.95 / 0.94 / 0.77x. maxnreg applies where a call names no kernel shape.
+    "fp8": dict(block_n=128, num_warps=4, num_stages=2, fp8_dot="pairs", page_ahead=True, programs_per_sm=4,
+                maxnreg=128),
     "16-bit": dict(block_n=64, num_warps=4, num_stages=3, page_ahead=True),
 }
 BLOCK_N = {fp8: DEFAULT_CONFIGS["fp8" if fp8 else "16-bit"]["block_n"] for fp8 in (True, False)}
@@ -778,6 +782,13 @@ def _merge_splits(
     tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
 
 
+def default_maxnreg(defaults: dict, *shape) -> int | None:
+    """The register cap of a call that names none: its DEFAULT_CONFIGS entry's, where it names no
+    kernel shape either (`shape`: its block_n, num_warps, num_stages and fp8_dot), else none (the
+    cap was measured with the default's shape only)."""
+    return defaults.get("maxnreg") if all(part is None for part in shape) else None
+
+
 def _plane_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     """(page, token, head) element strides of a (pages, *plane_shape) tensor."""
     if layout == "nhd":
@@ -982,8 +993,9 @@ def paged_decode_attention(
     configuration resident on one SM, the split plan's wave (default: the dtype's DEFAULT_CONFIGS
     entry where it names one, else PROGRAMS_PER_SM). maxnreg: the most registers a thread of the
     split kernel may hold (ptxas spills the rest; None: as many as it likes, up to 255): fewer
-    registers let more programs share an SM (raise programs_per_sm with it; on an H100 no capped
-    configuration beat the default, BENCHMARKS.md); the interpreter ignores it. block_n, num_warps, num_stages, fp8_dot and
+    registers let more programs share an SM (raise programs_per_sm with it); the interpreter
+    ignores it. Default: the dtype's DEFAULT_CONFIGS entry's cap where the call names none of
+    block_n, num_warps, num_stages and fp8_dot, else none. block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
@@ -991,6 +1003,8 @@ def paged_decode_attention(
     """
     page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
     defaults = DEFAULT_CONFIGS["fp8" if k_pages.dtype in FP8_KINDS else "16-bit"]
+    if maxnreg is None:
+        maxnreg = default_maxnreg(defaults, block_n, num_warps, num_stages, fp8_dot)
     block_n = defaults["block_n"] if block_n is None else block_n
     num_warps = defaults["num_warps"] if num_warps is None else num_warps
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
@@ -1002,7 +1016,6 @@ def paged_decode_attention(
     per_sm = defaults.get("programs_per_sm", PROGRAMS_PER_SM) if programs_per_sm is None else programs_per_sm
     if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
         raise ValueError(f"programs_per_sm must be an int >= 1, got {programs_per_sm!r}")
-    maxnreg = defaults.get("maxnreg") if maxnreg is None else maxnreg
     if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
         raise ValueError(f"maxnreg must be an int from 24 to 255 or None, got {maxnreg!r}")
     kvp = defaults.get("kv_per_program", 1) if kv_per_program is None else kv_per_program
