@@ -77,7 +77,8 @@ DEFAULT_CONFIGS = {
     # pages at 0.69 / 0.80 / 0.83x of the copy rate at batch 16 x 8k / 16 x 32k / 64 x 8k and
     # 0.66x at 64 x 1k on the H200, against 0.70 / 0.80 / 0.71 / 0.59x for the earlier default
     # (two warps, 255 registers, four an SM); on the H100 0.85 / 0.93 / 0.94 / 0.81x against
-    # 0.85 / 0.95 / 0.94 / 0.77x. maxnreg applies where a call names no kernel shape.
+    # 0.85 / 0.95 / 0.94 / 0.77x. maxnreg applies where a call names no kernel shape and the
+    # pages take _decode_split_pairs (default_maxnreg).
     "fp8": dict(block_n=128, num_warps=4, num_stages=2, fp8_dot="pairs", page_ahead=True, programs_per_sm=4,
                 maxnreg=128),
     "16-bit": dict(block_n=64, num_warps=4, num_stages=3, page_ahead=True),
@@ -995,7 +996,8 @@ def paged_decode_attention(
     split kernel may hold (ptxas spills the rest; None: as many as it likes, up to 255): fewer
     registers let more programs share an SM (raise programs_per_sm with it); the interpreter
     ignores it. Default: the dtype's DEFAULT_CONFIGS entry's cap where the call names none of
-    block_n, num_warps, num_stages and fp8_dot, else none. block_n, num_warps, num_stages, fp8_dot and
+    block_n, num_warps, num_stages and fp8_dot and the pages take _decode_split_pairs, else
+    none. block_n, num_warps, num_stages, fp8_dot and
     page_ahead default to DEFAULT_CONFIGS for the pages' dtype: at batch 16 x 16k tokens on an
     H200 (BENCHMARKS.md) fp8 pages read 3.13 TB/s with (128, 4 warps, 2 stages, "pairs") against
     2.05 with the same shape under "query", 1.76 with the best "fp16" configuration.
@@ -1003,8 +1005,7 @@ def paged_decode_attention(
     """
     page_size, heads, head_dim = _check_inputs(q, k_pages, v_pages, page_table, seq_lens, layout, k_scales, v_scales, scale)
     defaults = DEFAULT_CONFIGS["fp8" if k_pages.dtype in FP8_KINDS else "16-bit"]
-    if maxnreg is None:
-        maxnreg = default_maxnreg(defaults, block_n, num_warps, num_stages, fp8_dot)
+    default_cap = default_maxnreg(defaults, block_n, num_warps, num_stages, fp8_dot)
     block_n = defaults["block_n"] if block_n is None else block_n
     num_warps = defaults["num_warps"] if num_warps is None else num_warps
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
@@ -1090,6 +1091,8 @@ def paged_decode_attention(
     else:
         kernel = _decode_split
         flags = dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
+    if maxnreg is None and kernel is _decode_split_pairs:  # the kernel the default's cap was measured on
+        maxnreg = default_cap
     kernel[(batch, groups, splits)](
         q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out, cnt,
         sm_scale * LOG2E,
