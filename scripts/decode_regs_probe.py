@@ -1,10 +1,10 @@
 """Issue 25: do more fp8 decode programs an SM, bought with a register cap, read HBM faster?
 
-The fp8 default until 2026-12-07 (128 tokens, 2 warps, 2 stages) compiles to 255 registers a thread, so an SM
-holds 4 of its programs (12.5% occupancy) and ncu on an H100 found it waiting on memory
-(BENCHMARKS.md, "The probe, run"). This times, as scripts/decode_layout_probe.py does (CUDA
-graph replay, L2 flushed clean, x of a same-run device-to-device copy's HBM traffic), the
-default beside configurations that cap registers with `maxnreg` (ptxas spills the rest) and
+The fp8 default until 2026-12-07 (128 tokens, 2 warps, 2 stages) compiles to 255 registers a
+thread, so an SM holds 4 of its programs (12.5% occupancy) and ncu on an H100 found it waiting on
+memory (BENCHMARKS.md, "The probe, run"). This times, as scripts/decode_layout_probe.py does (CUDA
+graph replay, L2 flushed clean, x of a same-run device-to-device copy's HBM traffic), that config
+and the library's default (since 2026-12-07 the capped 128 / 4 warps / 2 stages) beside configurations that cap registers with `maxnreg` (ptxas spills the rest) and
 raise `programs_per_sm` to what the cap and their shared memory allow (offline sm_90 counts in
 the table below), each first checked against the float64 reference on the GPU, on "nhd" pages
 at batch 16 x 8k, 16 x 32k, 64 x 8k and 64 x 1k, beside the bf16 default. Needs CUDA.
