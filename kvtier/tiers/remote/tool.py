@@ -272,8 +272,11 @@ def _check_segments(
     progress: Progress,
 ) -> None:
     problems = report["problems"]
-    files = store.segment_files()
     segments = db.execute("SELECT id, slot_stride, nslots, next_unused FROM segments ORDER BY id").fetchall()
+    # The files after the rows: a live store creates a segment's file inside the transaction that
+    # adds its row, so a row read first has its file listed after (listed first, a segment created
+    # in between was reported missing).
+    files = store.segment_files()
     report["segments"] = len(segments)
     checked = bad = in_free = 0
     for n, (seg, stride, nslots, next_unused) in enumerate(segments):
