@@ -50,9 +50,9 @@ class Draining:
                 # pages committed since, which steady commits would keep doing).
                 if self._link is not None:
                     queue = self._backup_queue
-                    for s in self._host.idle(self._host.dirty_kept(keep)):
-                        if s not in queue:
-                            queue.append(s)
+                    unqueued = [s for s in self._host.idle(self._host.dirty_kept(keep)) if s not in queue]
+                    if unqueued:
+                        queue.extend_unlisted(unqueued)
                     if len(self._backup_queue):
                         self._breaker.force_probe()
                         self._backup_work.notify()
