@@ -54,12 +54,22 @@ GPU_MODEL = DecoderConfig(vocab=32000, hidden=4096, layers=4, q_heads=32, kv_hea
 CPU_MODEL = DecoderConfig(vocab=256, hidden=128, layers=2, q_heads=4, kv_heads=2, head_dim=64, ffn=256)
 
 
+# --reload-blocks: the most blocks one launch of the pool's copy kernel may take (None: one an SM)
+RELOAD_BLOCKS: int | None = None
+
+
 def make_pool(model: TinyDecoder, device_pages: int, host_pages: int, copy_path: str = "auto",
               layer_ordered_loads: bool = False):
     fmt = model.config.page_format(PAGE, dtype="fp8_e4m3", scale="per_token_head")
     kv = PagedKV(fmt, device_pages, model.device)
+    extra = {}
+    if RELOAD_BLOCKS is not None and model.device.type == "cuda":
+        from kvtier.transfer.cuda_engine import CudaEngine
+
+        extra["engine"] = lambda device_tier, host_tier: CudaEngine(
+            device_tier, host_tier, path=copy_path, max_blocks=RELOAD_BLOCKS)
     pool = TieredPool(fmt, host_pages=host_pages, write_policy="write_through", registry=CollectorRegistry(),
-                      copy_path=copy_path, layer_ordered_loads=layer_ordered_loads, **kv.pool_args())
+                      copy_path=copy_path, layer_ordered_loads=layer_ordered_loads, **kv.pool_args(), **extra)
     return kv, pool
 
 
@@ -298,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile one resident and one prefetched step of the last decode shape; traces into DIR")
     ap.add_argument("--layer-ordered-loads", action="store_true",
                     help="the pool's layer_ordered_loads: every chunk's first layer first, then the others")
+    ap.add_argument("--reload-blocks", type=int, default=None, metavar="N",
+                    help="cap the pool's copy kernel at N blocks a launch (default: one an SM), so that "
+                         "attention finds SMs free while a reload runs")
     args = ap.parse_args(argv)
+    global RELOAD_BLOCKS
+    RELOAD_BLOCKS = args.reload_blocks
     cuda = torch.cuda.is_available()
     gen = torch.Generator().manual_seed(0)
     if cuda:

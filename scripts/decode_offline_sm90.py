@@ -84,6 +84,8 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
                       BLOCK_N=config["block_n"] // (16 // GROUP if fp8_dot == "pairs_stacked" else 1),
                       SINGLE=False, PAGE_AHEAD=config.get("page_ahead", False),
                       FUSED=config.get("merge") == "fused" and fp8_dot not in ("mma", "pairs_stacked", "pairs_two_heads"), **flags)
+    if "LAUNCH_MERGE" in kernel.arg_names:  # merge="pdl": the split kernel lets the merge's programs be placed
+        constexprs["LAUNCH_MERGE"] = config.get("merge") == "pdl"
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:

@@ -12,6 +12,7 @@ at batch 16 x 8k, 16 x 32k, 64 x 8k and 64 x 1k, beside the bf16 default. Needs 
     PYTHONPATH=. python3 scripts/decode_regs_probe.py      # writes $OUT/regs_probe.json
     PYTHONPATH=. python3 scripts/decode_regs_probe.py --more   # around 128/4w/2s cap 128: regs_probe_more.json
     PYTHONPATH=. python3 scripts/decode_regs_probe.py --defaults   # the library's defaults: regs_probe_defaults.json
+    PYTHONPATH=. python3 scripts/decode_regs_probe.py --merge   # the defaults, each merge: regs_probe_merge.json
 
 Offline (Triton 3.9, sm_90): registers / local loads and stores / shared memory a program:
 128/2w/2s 255 / 34 / 42 KB (cap 168: 240 local, cap 128: 411); 64/2w/3s 180 / 0 / 40 KB;
@@ -70,6 +71,14 @@ MORE = {
     "fp8 128/4w/2s/8 cap 128": ("fp8", pairs(128, 4, 2, 8, 128)),
     "bf16 default": ("bf16", {}),
 }
+# --merge: the library's defaults with each way of merging the splits (merge="kernel", "pdl", "fused")
+MERGE = {
+    "fp8 default": ("fp8", {}),
+    "fp8 default merge pdl": ("fp8", {"merge": "pdl"}),
+    "fp8 default merge fused": ("fp8", {"merge": "fused"}),
+    "bf16 default": ("bf16", {}),
+    "bf16 default merge pdl": ("bf16", {"merge": "pdl"}),
+}
 SHAPES = [(16, 8192), (16, 32768), (64, 8192), (64, 1024)]
 
 
@@ -79,10 +88,12 @@ def main() -> int:
         CONFIGS = MORE
     if "--defaults" in sys.argv[1:]:  # what a call naming no configuration gets
         CONFIGS = {"fp8 default": ("fp8", {}), "bf16 default": ("bf16", {})}
+    if "--merge" in sys.argv[1:]:
+        CONFIGS = MERGE
     torch.backends.cuda.matmul.allow_tf32 = False
     checked = {}
     for name, (dtype, config) in CONFIGS.items():
-        if dtype == "fp8" and config:
+        if config:
             try:
                 checked[name] = sweep.numerics(dtype, config, torch.Generator().manual_seed(5), "cuda")
                 print(f"numerics {name}: worst / bound {checked[name]:.3f}", flush=True)
@@ -106,7 +117,8 @@ def main() -> int:
                 print(f"{name:<26} {batch:>3} x {context // 1024:>2}k {seconds * 1e6:8.1f} us {of_copy:5.2f}x", flush=True)
             inputs = None
             torch.cuda.empty_cache()
-    name = "regs_probe_more" if CONFIGS is MORE else "regs_probe_defaults" if "--defaults" in sys.argv[1:] else "regs_probe"
+    name = ("regs_probe_more" if CONFIGS is MORE else "regs_probe_merge" if CONFIGS is MERGE
+            else "regs_probe_defaults" if "--defaults" in sys.argv[1:] else "regs_probe")
     out = Path(os.environ.get("OUT", "/tmp")) / f"{name}.json"
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy=copy, numerics=checked, rows=rows), indent=1))
     return 0

@@ -18,7 +18,9 @@ import itertools
 import pytest
 import torch
 
-from kvtier.decode.attention import MMA_MIN_BLOCK_N, paged_decode_attention, reference_decode_attention, split_plan
+from kvtier.decode.attention import (
+    INTERPRETED, MMA_MIN_BLOCK_N, paged_decode_attention, pdl_launches, reference_decode_attention, split_plan,
+)
 from kvtier.format import quantize
 from kvtier.format.codec import dequantize
 
@@ -296,6 +298,42 @@ def test_fused_merge_matches_the_merge_kernel(dtype, scale, fp8_dot, num_splits)
     assert torch.isfinite(outs["fused"]).all()
     torch.testing.assert_close(outs["fused"], outs["kernel"], rtol=2e-6, atol=2e-6)
     assert_close_to_reference(outs["fused"], args, torch.bfloat16 if fp8_dot in ("query", "mma") else None)
+
+
+@pytest.mark.parametrize(
+    "dtype,scale,fp8_dot,num_splits",
+    [("bf16", "none", None, 3), ("fp8_e4m3", "per_token_head", "pairs", 2), ("fp8_e4m3", "per_token_head", "pairs", 7),
+     ("fp8_e5m2", "per_page_head", "query", 5), ("fp8_e4m3", "per_tensor", "mma", 4)],
+)
+def test_pdl_merge_gives_the_merge_kernels_bits(dtype, scale, fp8_dot, num_splits):
+    """merge="pdl" runs the merge kernel's sums in the same order, its programs only placed earlier
+    (on an sm_90 GPU; elsewhere it is the merge kernel): the same bits, over short sequences whose
+    later splits are empty, in poisoned outputs, two inputs of one shape alternating call after
+    call, so a merge that read partial outputs before the split kernel wrote them would find the
+    other input's (the allocator hands the same scratch back) and differ."""
+    cases = [make_case(1990 + num_splits + 100 * i, dtype, scale, "nhd", batch=5, max_len=600, page_size=16, group=4,
+                       kv_heads=2, head_dim=128)
+             for i in range(2)]
+    refs = []
+    for args in cases:
+        ref = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=ref, num_splits=num_splits, block_n=32, fp8_dot=fp8_dot, merge="kernel")
+        assert torch.isfinite(ref).all()
+        assert_close_to_reference(ref, args, torch.bfloat16 if fp8_dot in ("query", "mma") else None)
+        refs.append(ref)
+    assert not torch.equal(refs[0], refs[1])
+    for i in range(4 if DEVICE == "cpu" else 100):
+        args = cases[i % 2]
+        out = torch.full(args["q"].shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        paged_decode_attention(**args, out=out, num_splits=num_splits, block_n=32, fp8_dot=fp8_dot, merge="pdl")
+        assert torch.equal(out, refs[i % 2])
+
+
+def test_pdl_launches_only_where_compiled_for_sm90():
+    """The interpreter and CPU tensors never take programmatic dependent launch."""
+    assert not pdl_launches(torch.device("cpu"))
+    if INTERPRETED and torch.cuda.is_available():
+        assert not pdl_launches(torch.device("cuda"))
 
 
 def test_fused_merge_with_one_split_and_bad_names():

@@ -63,9 +63,12 @@ FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 SCALES = ("none", "per_tensor", "per_page_head", "per_token_head")
 LAYOUTS = ("nhd", "hnd")
 FP8_DOTS = ("fp16", "query", "pairs", "pairs_vmax", "pairs_lean", "pairs_stacked", "pairs_two_heads", "mma")
-# How split partial outputs are merged: a second kernel (_merge_splits), or by the last program of
-# each (sequence, kv head) inside the split kernel (_merge_if_last; not under fp8_dot="mma").
-MERGES = ("kernel", "fused")
+# How split partial outputs are merged: a second kernel (_merge_splits); the same kernel launched
+# with programmatic dependent launch ("pdl": its programs are placed while the split kernel runs and
+# wait for its writes at griddepcontrol.wait; sm_90 and later, "kernel" elsewhere and under the
+# interpreter); or by the last program of each (sequence, kv head) inside the split kernel
+# (_merge_if_last; not under fp8_dot="mma").
+MERGES = ("kernel", "pdl", "fused")
 # The kernel configuration a call gets where it names none, for fp8 pages and for 16-bit pages: the
 # fastest of configuration searches on an H200 (BENCHMARKS.md, "Decode attention kernel").
 # Chosen by scripts/decode_sweep_h200.py on an H200 (2026-12-04, BENCHMARKS.md): fp8 pages with
@@ -224,6 +227,7 @@ def _decode_split(
     SINGLE: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
     FUSED: tl.constexpr = False,
+    LAUNCH_MERGE: tl.constexpr = False,
 ):
     """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
 
@@ -233,7 +237,11 @@ def _decode_split(
     of two into fp16's range first (exact: its largest element lands in [2^13, 2^14)), and each
     block's probabilities times V's scales are divided by the block's largest scale, so they lie
     in [0, 1]; both factors come back in fp32.
+    LAUNCH_MERGE (merge="pdl"): let the merge kernel's programs be placed from now on (they wait for
+    this kernel's writes before reading them).
     """
+    if LAUNCH_MERGE:
+        tl.extra.cuda.gdc_launch_dependents()
     b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
     if start < end:
         offs_h = tl.arange(0, BLOCK_H)
@@ -461,6 +469,7 @@ def _decode_split_pairs(
     ROW_SUMS: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
     FUSED: tl.constexpr = False,
+    LAUNCH_MERGE: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
 
@@ -478,6 +487,8 @@ def _decode_split_pairs(
     once after the loop.
     """
     HALF_D: tl.constexpr = HEAD_DIM // 2
+    if LAUNCH_MERGE:  # see _decode_split
+        tl.extra.cuda.gdc_launch_dependents()
     b, kvh, split, start, end = _split_range(LENS, tokens_per_split)
     if start < end:
         offs_h = tl.arange(0, BLOCK_H)
@@ -767,8 +778,14 @@ def _merge_splits(
     stride_outb, stride_outh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """One (sequence, query head): the splits' partial outputs weighted by their share of the softmax."""
+    """One (sequence, query head): the splits' partial outputs weighted by their share of the softmax.
+
+    PDL (launched with programmatic dependent launch, merge="pdl"): the program may start before
+    the split kernel ends, so it waits for that kernel's completion and writes
+    (griddepcontrol.wait) before reading the partial outputs; the sequence lengths are inputs of
+    both kernels, read before."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(LENS + b)
@@ -776,6 +793,8 @@ def _merge_splits(
     offs_s = tl.arange(0, BLOCK_S)
     live = offs_s < splits
     offs_d = tl.arange(0, HEAD_DIM)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     lse = tl.load(MID_LSE + b * stride_lb + h * stride_lh + offs_s, mask=live, other=float("-inf"))
     o = tl.load(MID_O + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :], mask=live[:, None], other=0.0)
     w = tl.exp2(lse - tl.max(lse, 0))
@@ -902,6 +921,24 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def pdl_launches(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched with programmatic dependent launch: a CUDA
+    device of sm_90 or later, compiled (not interpreted) by a Triton that takes `launch_pdl`."""
+    if INTERPRETED or device.type != "cuda":
+        return False
+    return _pdl_launches(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_launches(index: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _cut(max_tokens: int, wanted: int, block_n: int) -> tuple[int, int]:
     per_split = -(-max_tokens // wanted)
     per_split = max(block_n, -(-per_split // block_n) * block_n)
@@ -986,9 +1023,10 @@ def paged_decode_attention(
     the query and the probabilities as sums of e4m3 terms: bf16's precision; see _decode_split_mma).
     block_n: KV tokens a program reads per step. page_ahead: load the page table's entries for
     the next step one step early (see _next_block). merge: how splits are merged, "kernel" (a
-    second launch) or "fused" (the last split program of each sequence and kv head merges, see
-    _merge_if_last; costs a zeroed int32 counter per (sequence, kv head); fp8_dot="mma" always
-    takes "kernel"). kv_per_program: kv heads one program reads under fp8_dot="pairs" (a power of
+    second launch), "pdl" (that launch with programmatic dependent launch, so its programs are
+    placed while the split kernel runs; "kernel" where pdl_launches() is False) or "fused" (the
+    last split program of each sequence and kv head merges, see _merge_if_last; costs a zeroed
+    int32 counter per (sequence, kv head); fp8_dot="mma" always takes "kernel"). kv_per_program: kv heads one program reads under fp8_dot="pairs" (a power of
     two dividing the kv heads; default 1): their query heads stacked as rows, see
     _decode_split_pairs_kv; other paths read one. programs_per_sm: programs of this kernel
     configuration resident on one SM, the split plan's wave (default: the dtype's DEFAULT_CONFIGS
@@ -1069,6 +1107,7 @@ def paged_decode_attention(
     stacked = words is not None and fp8_dot == "pairs_stacked" and _stacks(group, page_size, block_n)
     fused = (not single and merge == "fused" and not (fp8 and fp8_dot == "mma" and words is None) and not stacked
              and not two_heads)
+    pdl = not single and merge == "pdl" and pdl_launches(q.device)
     cnt = torch.zeros((batch, groups), dtype=torch.int32, device=q.device) if fused else mid_lse
     kernel_block_n = block_n
     if two_heads:
@@ -1093,6 +1132,8 @@ def paged_decode_attention(
         flags = dict(FP8=fp8, SCALED=scaled, F16=bool(fp8) and fp8_dot == "fp16", DOT_F32=INTERPRETED)
     if maxnreg is None and kernel is _decode_split_pairs:  # the kernel the default's cap was measured on
         maxnreg = default_cap
+    if pdl and kernel in (_decode_split, _decode_split_pairs):
+        flags["LAUNCH_MERGE"] = True  # the others end before the merge starts (their exit is the trigger)
     kernel[(batch, groups, splits)](
         q, k_arg, v_arg, ks_arg, vs_arg, page_table, seq_lens, mid_o, mid_lse, out, cnt,
         sm_scale * LOG2E,
@@ -1129,7 +1170,9 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        PDL=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
