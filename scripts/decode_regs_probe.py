@@ -71,11 +71,14 @@ MORE = {
     "fp8 128/4w/2s/8 cap 128": ("fp8", pairs(128, 4, 2, 8, 128)),
     "bf16 default": ("bf16", {}),
 }
-# --merge: the library's defaults with each way of merging the splits (merge="kernel", "pdl", "fused")
+# --merge: the library's defaults with each way of merging the splits (merge="kernel", "pdl", "fused"),
+# and twice the splits the plan gives at batch 16 x 8k (two waves of shorter programs)
 MERGE = {
     "fp8 default": ("fp8", {}),
     "fp8 default merge pdl": ("fp8", {"merge": "pdl"}),
     "fp8 default merge fused": ("fp8", {"merge": "fused"}),
+    "fp8 default splits 8": ("fp8", {"num_splits": 8}),
+    "fp8 default merge pdl splits 8": ("fp8", {"merge": "pdl", "num_splits": 8}),
     "bf16 default": ("bf16", {}),
     "bf16 default merge pdl": ("bf16", {"merge": "pdl"}),
 }
