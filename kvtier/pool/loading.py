@@ -56,6 +56,24 @@ _CHUNK_BYTES = 64 << 20
 _LINK_BYTES_PER_S = 50e9
 
 
+# A write-through commit of more keys than this starts its copies down itself, in chunks of
+# commit_chunks (TieredPool.commit); shorter ones hand them to the offload thread.
+COMMIT_IN_CHUNKS = HEAD_START_KEYS
+
+
+def commit_chunks(n: int, page_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of an n-key commit of pages of `page_bytes`, as a load's chunks:
+    _FIRST_CHUNK keys, then _CHUNK_GROWTH times more each time up to _CHUNK_BYTES (or MANY keys),
+    a tail under half the next chunk joining the one before it."""
+    out, pos, chunk, largest = [], 0, _FIRST_CHUNK, max(MANY, _CHUNK_BYTES // page_bytes)
+    while pos < n:
+        end, chunk = pos + chunk, min(chunk * _CHUNK_GROWTH, largest)
+        end = n if pos and n - end < chunk // 2 else min(end, n)
+        out.append((pos, end))
+        pos = end
+    return out
+
+
 def key_head(keys) -> tuple[list[bytes], list | None]:
     """(ids, more) for `TieredPool.load` without slots: a long list or tuple of keys gives the ids
     of its first chunk and the keys after it (keyed by `_load_now` chunk by chunk), anything else

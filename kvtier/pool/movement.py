@@ -89,7 +89,17 @@ class Movement:
         if evicting:
             for slot in moving:
                 self._evicting[slot] = 1
-        ticket = self.engine.offload(moving, host_slots, ready=self._ready if ready is None else ready)
+        try:
+            ticket = self.engine.offload(moving, host_slots, ready=self._ready if ready is None else ready)
+        except BaseException:
+            # No copy started: the pages stay dirty on the device (eviction or flush copies them
+            # later) and the host slots go back to the free list.
+            host.set_states(host_slots, S.FREE, busy_delta=-1)
+            dev.set_states(moving, S.DIRTY, busy_delta=-1, distinct=True)
+            if evicting:
+                for slot in moving:
+                    self._evicting[slot] = 0
+            raise
 
         def finish() -> None:
             failed = set(ticket.failed_positions())

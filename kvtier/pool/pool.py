@@ -56,7 +56,7 @@ from kvtier.pool.checks import check_copy_path, check_count, check_host_size, ch
 from kvtier.pool.draining import Draining
 from kvtier.pool.handles import LoadHandle, MatchResult
 from kvtier.pool.landing import Landing
-from kvtier.pool.loading import Loading, key_head
+from kvtier.pool.loading import COMMIT_IN_CHUNKS, Loading, commit_chunks, key_head
 from kvtier.pool.movement import _READABLE, Movement
 from kvtier.pool.opening import make_engine, open_remote
 from kvtier.pool.remote_link import RemoteLink
@@ -290,25 +290,49 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         with self._lock:
             self._check_open()
             self._reap()
-            dev, host = self._dev, self._host
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
-            fresh_ids, fresh_slots, _, _ = dev.partition(ids, slots)
-            absent_ids, absent_slots, held, at = host.partition(fresh_ids, fresh_slots)
-            # A page the host tier holds is clean, unless it is still being fetched there.
-            clean = {slot for slot, h in zip(held, at) if _READABLE[host.state[h]]}
-            self.counters.duplicate_commits += len(ids) - len(fresh_ids)
-            dev.key_filled(fresh_slots, fresh_ids, clean)
-            if absent_slots and self.write_policy.copy_on_commit():
-                # background_copies: the offload thread starts the copy down, so that commit
-                # costs the engine only the bookkeeping of its own pages.
-                if self._offloader is not None:
-                    self._pending_down.append((absent_slots, absent_ids, ready))
-                    self._offload_work.notify()
-                else:
-                    self._start_copy_down(absent_slots, absent_ids, evicting=False, ready=ready)
+            copies = self.write_policy.copy_on_commit()
+            if not copies or len(ids) <= COMMIT_IN_CHUNKS:
+                fresh, absent_slots, absent_ids = self._key_commit(ids, slots)
+                if absent_slots and copies:
+                    # background_copies: the offload thread starts the copy down, so that commit
+                    # costs the engine only the bookkeeping of its own pages.
+                    if self._offloader is not None:
+                        self._pending_down.append((absent_slots, absent_ids, ready))
+                        self._offload_work.notify()
+                    else:
+                        self._start_copy_down(absent_slots, absent_ids, evicting=False, ready=ready)
+            else:
+                # A long commit starts its copies itself, chunk by chunk as a load does: the link
+                # starts after one small chunk's bookkeeping, and each later chunk is booked while
+                # the copies before it move, where the offload thread could only start once the
+                # whole batch was keyed (and then booked the whole batch's host slots first).
+                fresh = 0
+                for pos, end in commit_chunks(len(ids), self.fmt.page_bytes):
+                    count, absent_slots, absent_ids = self._key_commit(ids[pos:end], slots[pos:end])
+                    fresh += count
+                    if absent_slots:
+                        try:
+                            self._start_copy_down(absent_slots, absent_ids, evicting=False, ready=ready)
+                        except Exception:  # as on the offload thread: the pages stay dirty for eviction or flush
+                            log.exception("write-through copy of %d pages failed to start", len(absent_slots))
             self.counters.latency["commit"].observe(time.perf_counter() - start)
-            return len(fresh_ids)
+            return fresh
+
+    def _key_commit(self, ids: list[bytes], slots: list[int]) -> tuple[int, list[int], list[bytes]]:
+        """Key a commit's fresh FILLING `slots` (checked) with `ids`: (pages newly keyed, the slots
+        and ids of those the host tier does not hold, whose copy down the write policy may start).
+        A key already on the device keeps its slot (counted as a duplicate commit); a page the host
+        tier holds readable is clean at once."""
+        dev, host = self._dev, self._host
+        fresh_ids, fresh_slots, _, _ = dev.partition(ids, slots)
+        absent_ids, absent_slots, held, at = host.partition(fresh_ids, fresh_slots)
+        # A page the host tier holds is clean, unless it is still being fetched there.
+        clean = {slot for slot, h in zip(held, at) if _READABLE[host.state[h]]}
+        self.counters.duplicate_commits += len(ids) - len(fresh_ids)
+        dev.key_filled(fresh_slots, fresh_ids, clean)
+        return len(fresh_ids), absent_slots, absent_ids
 
     def match(self, keys: Iterable[Key]) -> MatchResult:
         """The loadable prefix of `keys`, split by nearest tier (see MatchResult); counts hits.

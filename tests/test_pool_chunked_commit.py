@@ -1,0 +1,262 @@
+"""Long write-through commits start their copies down themselves, chunk by chunk: the link starts
+after one small chunk's bookkeeping instead of the whole batch's. Short commits still hand the
+copy to the offload thread. Checked on real engines (the torch twin, and the deferred engine whose
+copies land when the test says): which thread starts each copy and how many pages it moves, that
+every page reaches the host tier bit-exact (read back through evict + load into poisoned slots),
+a copy that fails to start, and threads committing, loading and evicting at once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvtier import TieredPool
+from kvtier.pool.loading import COMMIT_IN_CHUNKS, commit_chunks
+from kvtier.transfer import TorchEngine
+from tests.conftest import fill_random, poison, small_format, snapshot
+from tests.deferred_engine import DeferredEngine
+
+LIVENESS_S = 30
+
+
+class RecordingDeferred(DeferredEngine):
+    """The deferred engine, remembering each offload's page count and the thread that asked."""
+
+    def __init__(self, device_tier, host_tier) -> None:
+        super().__init__(device_tier, host_tier)
+        self.offloads: list[tuple[int, str]] = []
+
+    def offload(self, device_slots, host_slots, ready=None):
+        self.offloads.append((len(device_slots), threading.current_thread().name))
+        return super().offload(device_slots, host_slots, ready)
+
+
+class FailingOnce(TorchEngine):
+    """The torch twin whose first offload fails to start (as a launch that raises would)."""
+
+    def __init__(self, device_tier, host_tier) -> None:
+        super().__init__(device_tier, host_tier)
+        self.failed = 0
+
+    def offload(self, device_slots, host_slots, ready=None):
+        if not self.failed:
+            self.failed = 1
+            raise RuntimeError("offload could not start")
+        return super().offload(device_slots, host_slots, ready)
+
+
+def _pool(registry, engine, device_pages=700, host_pages=900, policy="write_through", **kw):
+    return TieredPool(small_format(page_size=1), device_pages=device_pages, host_pages=host_pages,
+                      write_policy=policy, engine=engine, registry=registry, **kw)
+
+
+class Lander:
+    """Lands the deferred engine's copies on a thread while the `with` block runs."""
+
+    def __init__(self, engine: DeferredEngine) -> None:
+        self.engine = engine
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.engine.land()
+            self.engine.submitted.acquire(timeout=0.01)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(LIVENESS_S)
+        assert not self.thread.is_alive()
+
+
+def _read_back(pool, keys, expected) -> None:
+    """Evict every key from the device, load it back into poisoned slots: the host tier's bytes."""
+    pool.evict(pool.device_tier.num_pages)
+    assert pool.match(keys).device == 0
+    slots = pool.allocate(len(keys))
+    poison(pool, slots)
+    pool.load(keys, slots).wait()
+    for key, slot in zip(keys, slots):
+        assert snapshot(pool, slot) == expected[key], key
+    pool.release(slots)
+
+
+def _commit(pool, keys, gen):
+    slots = pool.allocate(len(keys))
+    fill_random(pool, slots, gen)
+    expected = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+    return slots, expected
+
+
+@pytest.mark.parametrize("n", [COMMIT_IN_CHUNKS + 1, 600])
+def test_a_long_commit_starts_its_copies_in_chunks_on_the_calling_thread(registry, gen, n):
+    engines = []
+
+    def make(d, h):
+        engines.append(RecordingDeferred(d, h))
+        return engines[-1]
+
+    pool = _pool(registry, make)
+    try:
+        engine = engines[0]
+        keys = [f"long-{i}" for i in range(n)]
+        slots, expected = _commit(pool, keys, gen)
+        assert pool.commit(keys, slots) == n
+        sizes = [end - start for start, end in commit_chunks(n, pool.fmt.page_bytes)]
+        assert len(sizes) > 1
+        # Every chunk's copy was queued inside commit, by the caller, in the chunks' order.
+        assert engine.offloads == [(size, threading.current_thread().name) for size in sizes]
+        pool.release(slots)
+        with Lander(engine):
+            assert pool.flush() == 0
+            pool._dev.check()
+            pool._host.check()
+            _read_back(pool, keys, expected)
+    finally:
+        pool.close()
+
+
+def test_a_short_commit_leaves_its_copy_to_the_offload_thread(registry, gen):
+    engines = []
+
+    def make(d, h):
+        engines.append(RecordingDeferred(d, h))
+        return engines[-1]
+
+    pool = _pool(registry, make)
+    try:
+        engine = engines[0]
+        keys = [f"short-{i}" for i in range(COMMIT_IN_CHUNKS)]
+        slots, _ = _commit(pool, keys, gen)
+        pool.commit(keys, slots)
+        pool.release(slots)
+        with Lander(engine):
+            assert pool.flush() == 0
+        assert engine.offloads == [(COMMIT_IN_CHUNKS, "kvtier-offload")]
+    finally:
+        pool.close()
+
+
+def test_a_long_write_back_commit_copies_nothing(registry, gen):
+    engines = []
+
+    def make(d, h):
+        engines.append(RecordingDeferred(d, h))
+        return engines[-1]
+
+    pool = _pool(registry, make, policy="write_back")
+    try:
+        keys = [f"wb-{i}" for i in range(400)]
+        slots, _ = _commit(pool, keys, gen)
+        assert pool.commit(keys, slots) == 400
+        assert engines[0].offloads == []
+        assert pool.stats()["states"]["device"]["dirty"] == 400
+        pool.release(slots)
+    finally:
+        with Lander(engines[0]):  # close flushes the dirty pages
+            pool.close()
+
+
+def test_a_chunk_whose_copy_fails_to_start_stays_dirty_and_flush_copies_it(registry, gen):
+    pool = _pool(registry, FailingOnce)
+    try:
+        keys = [f"fail-{i}" for i in range(300)]
+        slots, expected = _commit(pool, keys, gen)
+        assert pool.commit(keys, slots) == 300  # the failed start is logged, never raised
+        assert pool.engine.failed == 1
+        first = commit_chunks(300, pool.fmt.page_bytes)[0][1]
+        assert pool.stats()["states"]["device"]["dirty"] == first  # the first chunk only
+        pool.release(slots)
+        assert pool.flush() == 0
+        pool._dev.check()
+        pool._host.check()
+        _read_back(pool, keys, expected)
+    finally:
+        pool.close()
+
+
+def test_long_commits_beside_loads_and_evictions_on_threads(registry):
+    """Three threads commit long batches of fresh pages (their copies started inside commit) into
+    a host tier too small for all of them, while a fourth loads and evicts pages committed before:
+    no thread fails, the indexes stay consistent, and every page any tier still holds reads back
+    as written."""
+    pool = _pool(registry, TorchEngine, device_pages=1200, host_pages=700)
+    written: dict[str, tuple[bytes, bytes]] = {}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def committer(t: int) -> None:
+        gen = torch.Generator().manual_seed(100 + t)
+        try:
+            for round_ in range(6):
+                n = COMMIT_IN_CHUNKS + 1 + 37 * round_
+                keys = [f"t{t}-r{round_}-{i}" for i in range(n)]
+                slots = pool.allocate(n)
+                fill_random(pool, slots, gen)
+                expect = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+                pool.commit(keys, slots)
+                pool.release(slots)
+                with lock:
+                    written.update(expect)
+                pool.evict(n // 2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def loader() -> None:
+        try:
+            while not stop.is_set():
+                with lock:
+                    keys = list(written)[-64:]
+                if not keys:
+                    continue
+                found = pool.match(keys)
+                if not found.total:
+                    continue
+                try:
+                    handle = pool.load(keys[: found.total])
+                except KeyError:
+                    continue  # a page left both tiers between match and load: match's answer is advice
+                handle.wait()
+                for key, slot in zip(keys, handle.slots):
+                    if snapshot(pool, slot) != written[key]:
+                        raise AssertionError(f"{key} read back other bytes")
+                pool.release(handle.slots)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=committer, args=(t,)) for t in range(3)]
+    load_thread = threading.Thread(target=loader)
+    try:
+        for thread in threads + [load_thread]:
+            thread.start()
+        for thread in threads:
+            thread.join(LIVENESS_S * 4)
+            assert not thread.is_alive()
+        stop.set()
+        load_thread.join(LIVENESS_S)
+        assert not load_thread.is_alive()
+        assert not errors, errors
+        pool.flush()
+        pool._dev.check()
+        pool._host.check()
+        # Whatever a tier still holds is what was written (read from the device or the host).
+        held = [k for k in written if pool.match([k]).total == 1]
+        assert len(held) >= 700  # the host tier's pages at least
+        for lo in range(0, len(held), 200):
+            part = held[lo : lo + 200]
+            slots = pool.allocate(len(part))
+            poison(pool, slots)
+            pool.load(part, slots).wait()
+            for key, slot in zip(part, slots):
+                assert snapshot(pool, slot) == written[key], key
+            pool.release(slots)
+    finally:
+        stop.set()
+        pool.close()
