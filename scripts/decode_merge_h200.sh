@@ -8,7 +8,8 @@
 #   tests    the decode tests of the merges on the GPU (pytest)
 #   reload   benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads, the pool's
 #            copy kernel at one block an SM against 33 and 66 blocks a launch, alternating (reload.tgz)
-#     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS=reload bash scripts/decode_merge_h200.sh
+#   bulk     benchmarks/pool_bulk.py for build/oldtree (carried) and this tree, alternating (bulk.tgz)
+#     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS="reload bulk" bash scripts/decode_merge_h200.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/decode_merge}; mkdir -p "$OUT"
@@ -16,7 +17,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"
 git rev-parse --short HEAD 2>/dev/null
 PARTS=${PARTS:-decode}
-if [ "$PARTS" = decode ]; then
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has decode; then
 timeout -k 5 170 env OUT="$OUT" PYTHONPATH=. python3 scripts/decode_regs_probe.py --merge > "$OUT/merge.log" 2>&1
 echo "merge probe rc=$?"; grep -h " us \|numerics\|copy" "$OUT/merge.log"
 python3 - "$OUT/regs_probe_merge.json" <<'PY'
@@ -42,10 +44,10 @@ echo "bench rc=$?"; tail -22 "$OUT/bench.log"
 timeout -k 5 90 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k "pdl or fused_merge or split_kv" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 fi
-if [ "$PARTS" = reload ]; then
+if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
 for round in 1 2; do
-  for blocks in default 33 66; do
+  for blocks in default 33; do
     extra=(); [ "$blocks" != default ] && extra=(--reload-blocks "$blocks")
     timeout -k 5 60 env PYTHONPATH=. python3 benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads \
       "${extra[@]}" --json "$R/reload_${blocks}_${round}.json" > "$R/reload_${blocks}_${round}.log" 2>&1
@@ -53,4 +55,19 @@ for round in 1 2; do
   done
 done
 tar -C "$OUT" -czf "$OUT/reload.tgz" reload && rm -rf "$R"
+fi
+# bulk: benchmarks/pool_bulk.py (commit + flush, then load, of whole tiers) for the tree in
+# build/oldtree (carried; OLD=<dir>) and this one, alternating: long commits start their copies in chunks
+if has bulk; then
+OLD=${OLD:-build/oldtree}
+for round in 1 2; do
+  for tree in old new; do
+    if [ $tree = old ]; then dir=$OLD; else dir=.; fi
+    [ -d "$dir/kvtier" ] || { echo "no tree at $dir"; continue; }
+    timeout -k 5 100 env PYTHONPATH="$dir" python3 "$dir/benchmarks/pool_bulk.py" --records 1m,2m,64k --repeats 3 \
+      --json "$OUT/bulk_${tree}_${round}.json" > "$OUT/bulk_${tree}_${round}.log" 2>&1
+    echo "bulk $tree round $round rc=$?"; grep -A3 "x PCIe" "$OUT/bulk_${tree}_${round}.log"
+  done
+done
+tar -C "$OUT" -czf "$OUT/bulk.tgz" $(cd "$OUT" && ls bulk_*) && rm -f "$OUT"/bulk_*.json "$OUT"/bulk_*.log
 fi

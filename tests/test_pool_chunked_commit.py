@@ -8,6 +8,7 @@ a copy that fails to start, and threads committing, loading and evicting at once
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -33,8 +34,15 @@ class RecordingDeferred(DeferredEngine):
         return super().offload(device_slots, host_slots, ready)
 
 
-class FailingOnce(TorchEngine):
-    """The torch twin whose first offload fails to start (as a launch that raises would)."""
+class Queueing(TorchEngine):
+    """The torch twin taken for an engine that queues its copies (the CUDA engine's kind), so
+    that long commits take the chunked path; its copies still happen inside the call."""
+
+    queues_copies = True
+
+
+class FailingOnce(Queueing):
+    """The twin whose first offload fails to start (as a launch that raises would)."""
 
     def __init__(self, device_tier, host_tier) -> None:
         super().__init__(device_tier, host_tier)
@@ -136,9 +144,37 @@ def test_a_short_commit_leaves_its_copy_to_the_offload_thread(registry, gen):
         slots, _ = _commit(pool, keys, gen)
         pool.commit(keys, slots)
         pool.release(slots)
+        assert engine.submitted.acquire(timeout=LIVENESS_S)  # queued by the offload thread (not by a flush)
+        engine.submitted.release()
+        assert engine.offloads == [(COMMIT_IN_CHUNKS, "kvtier-offload")]
         with Lander(engine):
             assert pool.flush() == 0
-        assert engine.offloads == [(COMMIT_IN_CHUNKS, "kvtier-offload")]
+    finally:
+        pool.close()
+
+
+def test_a_long_commit_over_an_engine_that_copies_in_the_call_leaves_the_copy_to_the_offload_thread(registry, gen):
+    """The torch twin copies inside offload(): a long commit hands the copy to the offload thread
+    (where the memcpy runs beside the caller) instead of copying inside commit."""
+    calls = []
+
+    class Recording(TorchEngine):
+        def offload(self, device_slots, host_slots, ready=None):
+            calls.append((len(device_slots), threading.current_thread().name))
+            return super().offload(device_slots, host_slots, ready)
+
+    pool = _pool(registry, Recording)
+    try:
+        keys = [f"sync-{i}" for i in range(300)]
+        slots, expected = _commit(pool, keys, gen)
+        pool.commit(keys, slots)
+        pool.release(slots)
+        deadline = time.monotonic() + LIVENESS_S
+        while pool.stats()["states"]["device"]["dirty"] and time.monotonic() < deadline:
+            time.sleep(0.001)  # the offload thread's copy (a flush now would copy them itself)
+        assert calls == [(300, "kvtier-offload")]
+        assert pool.flush() == 0
+        _read_back(pool, keys, expected)
     finally:
         pool.close()
 
@@ -186,7 +222,7 @@ def test_long_commits_beside_loads_and_evictions_on_threads(registry):
     a host tier too small for all of them, while a fourth loads and evicts pages committed before:
     no thread fails, the indexes stay consistent, and every page any tier still holds reads back
     as written."""
-    pool = _pool(registry, TorchEngine, device_pages=1200, host_pages=700)
+    pool = _pool(registry, Queueing, device_pages=1200, host_pages=700)
     written: dict[str, tuple[bytes, bytes]] = {}
     lock = threading.Lock()
     errors: list[BaseException] = []

@@ -293,7 +293,7 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
             copies = self.write_policy.copy_on_commit()
-            if not copies or len(ids) <= COMMIT_IN_CHUNKS:
+            if not copies or len(ids) <= COMMIT_IN_CHUNKS or not self.engine.queues_copies:
                 fresh, absent_slots, absent_ids = self._key_commit(ids, slots)
                 if absent_slots and copies:
                     # background_copies: the offload thread starts the copy down, so that commit
@@ -304,10 +304,11 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
                     else:
                         self._start_copy_down(absent_slots, absent_ids, evicting=False, ready=ready)
             else:
-                # A long commit starts its copies itself, chunk by chunk as a load does: the link
-                # starts after one small chunk's bookkeeping, and each later chunk is booked while
-                # the copies before it move, where the offload thread could only start once the
-                # whole batch was keyed (and then booked the whole batch's host slots first).
+                # A long commit over an engine that queues its copies starts them itself, chunk by
+                # chunk as a load does: the link starts after one small chunk's bookkeeping, and
+                # each later chunk is booked while the copies before it move, where the offload
+                # thread could only start once the whole batch was keyed (and then booked the
+                # whole batch's host slots before its one copy).
                 fresh = 0
                 for pos, end in commit_chunks(len(ids), self.fmt.page_bytes):
                     count, absent_slots, absent_ids = self._key_commit(ids[pos:end], slots[pos:end])

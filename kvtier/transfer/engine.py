@@ -137,6 +137,10 @@ class TransferEngine(ABC):
 
     # Engines that can copy a subset of a reload's layers set this and implement reload_layers.
     reloads_layers = False
+    # Engines whose offload and reload return once the copies are queued (they move later, on a
+    # stream) set this: a long commit then starts its copies chunk by chunk itself. An engine
+    # that copies inside the call leaves them to the pool's offload thread.
+    queues_copies = False
 
     def reload_layers(self, host_slots: list[int], device_slots: list[int], layers: range, ready: object | None = None) -> Ticket:
         """Copy only `layers` of host records into device pages, layer by layer, on the same

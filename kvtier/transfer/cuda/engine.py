@@ -97,6 +97,7 @@ class CudaEngine(TransferEngine):
     one per SM)."""
 
     name = "cuda"
+    queues_copies = True  # on the engine's streams
 
     def __init__(
         self,
