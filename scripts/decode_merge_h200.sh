@@ -69,5 +69,8 @@ for round in 1 2; do
     echo "bulk $tree round $round rc=$?"; grep -A3 "x PCIe" "$OUT/bulk_${tree}_${round}.log"
   done
 done
+timeout -k 5 120 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pool_gpu.py tests/test_pool_chunked_commit.py \
+  > "$OUT/bulk_tests.log" 2>&1
+echo "pool GPU tests rc=$?"; tail -3 "$OUT/bulk_tests.log"
 tar -C "$OUT" -czf "$OUT/bulk.tgz" $(cd "$OUT" && ls bulk_*) && rm -f "$OUT"/bulk_*.json "$OUT"/bulk_*.log
 fi
