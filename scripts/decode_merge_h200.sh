@@ -9,6 +9,7 @@
 #   reload   benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads, the pool's
 #            copy kernel at one block an SM against 33 and 66 blocks a launch, alternating (reload.tgz)
 #   bulk     benchmarks/pool_bulk.py for build/oldtree (carried) and this tree, alternating (bulk.tgz)
+#   ROUNDS (default 2): rounds of the alternating parts
 #     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS="reload bulk" bash scripts/decode_merge_h200.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -46,7 +47,7 @@ echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 fi
 if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for blocks in default 33; do
     extra=(); [ "$blocks" != default ] && extra=(--reload-blocks "$blocks")
     timeout -k 5 60 env PYTHONPATH=. python3 benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads \
@@ -60,7 +61,7 @@ fi
 # build/oldtree (carried; OLD=<dir>) and this one, alternating: long commits start their copies in chunks
 if has bulk; then
 OLD=${OLD:-build/oldtree}
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in old new; do
     if [ $tree = old ]; then dir=$OLD; else dir=.; fi
     [ -d "$dir/kvtier" ] || { echo "no tree at $dir"; continue; }
