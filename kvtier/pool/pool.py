@@ -279,7 +279,10 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         engine holds. Returns how many pages were newly keyed. Never waits. Under write-through
         the copies down start right after, on the pool's offload thread (ordered after the
         engine's writes by an event recorded here); a copy that finds no host room then happens
-        at eviction or flush instead.
+        at eviction or flush instead. A commit of more than COMMIT_IN_CHUNKS pages over an engine
+        that queues its copies (the CUDA engine) starts them itself, in growing chunks, each
+        chunk's copy queued before the next chunk's bookkeeping: the bytes start moving after one
+        small chunk instead of after the whole batch's keying and the offload thread's booking.
         """
         start = time.perf_counter()
         ids = key_ids(keys)
