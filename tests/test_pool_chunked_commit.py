@@ -130,6 +130,38 @@ def test_a_long_commit_starts_its_copies_in_chunks_on_the_calling_thread(registr
         pool.close()
 
 
+@pytest.mark.parametrize("bad, error", [("", ValueError), ("long-3", ValueError), (7, TypeError)])
+def test_a_long_commit_with_a_bad_or_repeated_key_late_in_the_batch_changes_nothing(registry, gen, bad, error):
+    """A chunked commit hashes each chunk's keys as it goes, so every key is checked (type, empty,
+    repeat) before the first chunk is keyed: a fault at position 250 raises with no page keyed
+    and no copy queued, and the same slots commit afterwards."""
+    engines = []
+
+    def make(d, h):
+        engines.append(RecordingDeferred(d, h))
+        return engines[-1]
+
+    pool = _pool(registry, make)
+    try:
+        keys = [f"long-{i}" for i in range(300)]
+        slots, expected = _commit(pool, keys, gen)
+        before = pool.stats()["states"]
+        wrong = list(keys)
+        wrong[250] = bad
+        with pytest.raises(error, match="250|repeat"):
+            pool.commit(wrong, slots)
+        assert pool.stats()["states"] == before
+        assert engines[0].offloads == []
+        assert pool.match(keys[:1]).total == 0
+        assert pool.commit(tuple(keys), slots) == 300  # a tuple takes the same path
+        pool.release(slots)
+        with Lander(engines[0]):
+            assert pool.flush() == 0
+            _read_back(pool, keys, expected)
+    finally:
+        pool.close()
+
+
 def test_a_short_commit_leaves_its_copy_to_the_offload_thread(registry, gen):
     engines = []
 

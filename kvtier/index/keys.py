@@ -135,6 +135,13 @@ def key_ids(keys: Iterable[str | bytes], first: int = 0) -> list[bytes]:
     return _key_ids_each(keys, first)
 
 
+def plain_distinct(keys: list | tuple) -> bool:
+    """Whether `keys` are non-empty plain `str` / `bytes` objects (no subclass) with no repeat:
+    then `key_ids` cannot fail on them and their ids do not repeat, so a caller may hash them
+    later, a part at a time. False says nothing more: `key_ids` and a repeat check name the fault."""
+    return set(map(type, keys)) <= _PLAIN and all(keys) and len(set(keys)) == len(keys)
+
+
 def _fill_new(keys: list, out: list) -> bool:
     """Fill in the ids `out` lacks (None) of plain non-empty `keys`: from the old generation, else
     hashed; all of them cached in the young generation at once. False, with nothing changed,

@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping
 
 from kvtier.format import PageFormat
 from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
-from kvtier.index.keys import hold_id_cache, key_ids, release_id_cache
+from kvtier.index.keys import hold_id_cache, key_ids, plain_distinct, release_id_cache
 from kvtier.index.prefix import leading_slots, walk, walk_slots
 from kvtier.index.slot_list import SlotList
 from kvtier.metrics import Counters, register_pool, unregister_pool
@@ -285,18 +285,27 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         small chunk instead of after the whole batch's keying and the offload thread's booking.
         """
         start = time.perf_counter()
-        ids = key_ids(keys)
+        if type(keys) is not list and type(keys) is not tuple:
+            if isinstance(keys, (str, bytes)):
+                key_ids(keys)  # raises: one key is not a batch of keys
+            keys = list(keys)
+        chunked = (len(keys) > COMMIT_IN_CHUNKS and self.engine.queues_copies and self.write_policy.copy_on_commit())
+        # A chunked commit of plain distinct keys hashes each chunk's keys with its bookkeeping
+        # (the keys are checked now, and hashing them cannot fail), so its first copy starts
+        # before the whole batch is hashed.
+        ids = None if chunked and plain_distinct(keys) else key_ids(keys)
         slots = check_slots(slots, self._dev.capacity)
-        if len(ids) != len(slots):
-            raise ValueError(f"got {len(ids)} keys for {len(slots)} slots; they must pair up")
-        check_unique(ids)
+        if len(keys) != len(slots):
+            raise ValueError(f"got {len(keys)} keys for {len(slots)} slots; they must pair up")
+        if ids is not None:
+            check_unique(ids)
         with self._lock:
             self._check_open()
             self._reap()
             self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
-            copies = self.write_policy.copy_on_commit()
-            if not copies or len(ids) <= COMMIT_IN_CHUNKS or not self.engine.queues_copies:
+            if not chunked:
+                copies = self.write_policy.copy_on_commit()
                 fresh, absent_slots, absent_ids = self._key_commit(ids, slots)
                 if absent_slots and copies:
                     # background_copies: the offload thread starts the copy down, so that commit
@@ -313,8 +322,9 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
                 # thread could only start once the whole batch was keyed (and then booked the
                 # whole batch's host slots before its one copy).
                 fresh = 0
-                for pos, end in commit_chunks(len(ids), self.fmt.page_bytes):
-                    count, absent_slots, absent_ids = self._key_commit(ids[pos:end], slots[pos:end])
+                for pos, end in commit_chunks(len(keys), self.fmt.page_bytes):
+                    part = key_ids(keys[pos:end], pos) if ids is None else ids[pos:end]
+                    count, absent_slots, absent_ids = self._key_commit(part, slots[pos:end])
                     fresh += count
                     if absent_slots:
                         try:
