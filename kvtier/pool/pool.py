@@ -289,7 +289,8 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
             if isinstance(keys, (str, bytes)):
                 key_ids(keys)  # raises: one key is not a batch of keys
             keys = list(keys)
-        chunked = (len(keys) > COMMIT_IN_CHUNKS and self.engine.queues_copies and self.write_policy.copy_on_commit())
+        chunked = (len(keys) > COMMIT_IN_CHUNKS and getattr(self.engine, "queues_copies", False)
+                   and self.write_policy.copy_on_commit())
         # A chunked commit of plain distinct keys hashes each chunk's keys with its bookkeeping
         # (the keys are checked now, and hashing them cannot fail), so its first copy starts
         # before the whole batch is hashed.
