@@ -337,6 +337,46 @@ def test_key_filled_and_take_free_leave_what_the_state_machine_leaves(monkeypatc
             assert fast.ids_of(slots) == slow.ids_of(slots) == kids
 
 
+def test_reuse_in_numpy_leaves_what_the_loop_leaves(monkeypatch):
+    """`reuse` of a long batch (numpy: eviction order, dirty list, hits, states, counts, busy)
+    leaves each index as the one-slot-at-a-time loop does, for clean and dirty victims taken from
+    the eviction order, and falls back to the loop's refusal for a held slot."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    rng = random.Random(11)
+    for compact in (False, True):
+        indexes = []
+        for bulk in (10**9, 1):
+            monkeypatch.setattr(tier_index, "BULK", bulk)
+            index = TierIndex("host", 500, make_policy("lru", 500), compact_keys=compact)
+            slots = index.take_free(400, PageState.LOADING)
+            index.bind_all(slots, [bytes([i % 256, i // 256]) * 8 for i in range(400)])
+            index.set_states(slots, PageState.RESIDENT)
+            index.set_states(slots[::7], PageState.DIRTY)
+            for slot in slots[::5]:
+                index.touch(slot)
+                index.hits[slot] = 3
+            indexes.append(index)
+        victims = indexes[0].victims(300)
+        assert victims == indexes[1].victims(300)
+        rng.shuffle(victims)
+        for bulk, index in zip((10**9, 1), indexes):
+            monkeypatch.setattr(tier_index, "BULK", bulk)
+            index.reuse(victims[:250], PageState.LOADING, busy_delta=1)
+            index.check()
+        fast, slow = indexes[1], indexes[0]
+        assert bytes(fast.state) == bytes(slow.state) and fast.counts == slow.counts
+        assert bytes(fast.hits) == bytes(slow.hits) and bytes(fast.busy) == bytes(slow.busy)
+        assert fast.busy_slots == slow.busy_slots
+        assert list(fast.dirty) == list(slow.dirty) and list(fast.policy) == list(slow.policy)
+        assert all(not fast.table.holds_key(slot) for slot in victims[:250])
+        monkeypatch.setattr(tier_index, "BULK", 1)
+        held = fast.victims(80)
+        fast.pin(held[40])
+        with pytest.raises(AssertionError, match="reused while"):
+            fast.reuse(held, PageState.LOADING)
+
+
 @pytest.mark.parametrize("many", [10**9, 1])
 def test_hold_readable_holds_all_or_nothing(monkeypatch, many):
     """A load chunk's sources: every id keyed and readable -> their slots, held busy and touched;

@@ -328,3 +328,43 @@ def test_long_commits_beside_loads_and_evictions_on_threads(registry):
     finally:
         stop.set()
         pool.close()
+
+
+@pytest.mark.parametrize("bulk", [10**9, 64])
+def test_clean_host_pages_evicted_for_a_commit_leave_their_device_copies_dirty(registry, gen, monkeypatch, bulk):
+    """With no remote tier, a clean host page that makes room for a commit's copies was the only
+    copy below the device: the device's RESIDENT copy of it turns DIRTY (so eviction or flush
+    copies it down again). The same with the batch path (`_evict_clean_host`, from 64 victims) and
+    the page-by-page loop; every page still reads back as written."""
+    from kvtier.pool import room
+
+    monkeypatch.setattr(room, "BULK", bulk)
+    pool = _pool(registry, Queueing, device_pages=600, host_pages=300)
+    try:
+        first = [f"a-{i}" for i in range(300)]
+        slots_a, expected = _commit(pool, first, gen)
+        pool.commit(first, slots_a)
+        assert pool.flush() == 0
+        states = pool.stats()["states"]
+        assert states["device"]["resident"] == 300 and states["host"]["resident"] == 300
+        second = [f"b-{i}" for i in range(200)]
+        slots_b, more = _commit(pool, second, gen)
+        expected.update(more)
+        pool.commit(second, slots_b)  # chunked: its copies (made in the call) take 200 host slots
+        stats = pool.stats()
+        assert stats["evictions"]["host"] == 200
+        assert stats["states"]["host"]["resident"] == 300
+        # The 200 first pages that left the host tier are dirty on the device; the rest are clean.
+        assert stats["states"]["device"]["dirty"] == 200 and stats["states"]["device"]["resident"] == 300
+        assert sorted(pool._dev.dirty) == sorted(s for k, s in zip(first, slots_a)
+                                                 if pool._host.table.get(pool._dev.id_of(s)) < 0)
+        assert pool.flush() == 0  # copies them down again, evicting 200 host pages in turn
+        assert pool.stats()["evictions"]["host"] == 400
+        pool._dev.check()
+        pool._host.check()
+        pool.release(slots_a)
+        pool.release(slots_b)
+        for key, slot in zip(first + second, slots_a + slots_b):
+            assert snapshot(pool, slot) == expected[key]
+    finally:
+        pool.close()

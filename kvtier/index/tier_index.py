@@ -386,6 +386,8 @@ class TierIndex:
         """Evict keyed, evictable slots (RESIDENT, or DIRTY pages the caller lets go) and hand
         them straight to a new page in `state` (LOADING), `busy_delta` copies on each: the same
         as moving them to FREE and taking them back, in one pass."""
+        if self._reuse_bulk(slots, state, busy_delta):
+            return
         state_of, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
         unbind, hits, remove = self.table.unbind, self.hits, self.policy.remove
         legal = _LEGAL_TO[state]
@@ -409,6 +411,35 @@ class TierIndex:
             counts[state] += count
             if busy_delta:
                 self.busy_slots += count
+
+    def _reuse_bulk(self, slots, state: PageState, busy_delta: int) -> bool:
+        """`reuse` of a long batch of distinct evictable, unpinned, idle slots in numpy (the keys
+        still go one `unbind` at a time: the table's own structure); False, nothing changed,
+        for the loop to apply or report otherwise."""
+        at = self._unique_slots(slots)
+        if at is None:
+            return False
+        old = self._np_state[at]
+        if not (_NP_EVICTABLE[old].all() and not self._np_pins[at].any() and not self._np_busy[at].any()):
+            return False
+        assert _LEGAL_TO[state][_FREE], f"{self.name}: FREE -> {PageState(state).name} is illegal"
+        self.policy.remove_many_distinct(at)
+        was_dirty = at[old == _DIRTY]
+        if was_dirty.size:
+            self.dirty.discard_distinct(was_dirty)
+        unbind = self.table.unbind
+        for slot in at.tolist():
+            unbind(slot)
+        self._np_hits[at] = 0
+        self._np_state[at] = state
+        counts = self.counts
+        for st, n in enumerate(np.bincount(old, minlength=len(counts)).tolist()):
+            counts[st] -= n
+        counts[state] += at.size
+        if busy_delta:
+            self._np_busy[at] = busy_delta
+            self.busy_slots += at.size
+        return True
 
     def bind_all(self, slots: Sequence[int], kids: Sequence[bytes]) -> None:
         """Key each slot (FILLING or LOADING, unkeyed) with its id: from _BIND_BATCH slots in

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from kvtier.index import PageState
+from kvtier.index.slot_list import BULK
 from kvtier.pool.handles import PoolExhausted
 
 S = PageState
@@ -183,6 +186,8 @@ class TierRoom:
         and appended to `into`."""
         host, dev = self._host, self._dev
         want = len(victims) if want is None else want
+        if want >= BULK and self._evict_clean_host(victims, want, into, busy_delta):
+            return want
         free, queued, unavailable = [], 0, 0
         for slot in victims:
             if len(free) + queued >= want:
@@ -221,6 +226,36 @@ class TierRoom:
             self._backup_work.notify()
         self.counters.evictions["host"] += len(free)
         return len(free) + queued
+
+    def _evict_clean_host(self, victims: list[int], want: int, into: list | None, busy_delta: int) -> bool:
+        """`_evict_host` of `want` (>= BULK) victims when the first `want` are all clean (the host
+        tier's steady state under write-through): the same changes in numpy and batch calls.
+        False, nothing changed, when there are fewer or one of them is dirty (the loop decides)."""
+        if len(victims) < want:
+            return False
+        host, dev = self._host, self._dev
+        free = victims[:want]
+        at = np.asarray(free, dtype=np.int64)
+        if (host._np_state[at] == int(S.DIRTY)).any():
+            return False
+        if self._link is None:
+            # A clean host page whose last tier is the host: the device copy, if any, becomes the
+            # only one, so a RESIDENT one turns DIRTY (as the loop does page by page).
+            found = dev.table.get_many_array(host.table.ids_of(free))
+            held = found[found >= 0]
+            if held.size:
+                held = held[dev._np_state[held] == int(S.RESIDENT)]
+                if held.size:
+                    dev.set_states(held.tolist(), S.DIRTY, distinct=True)
+        if len(self._backup_queue):
+            self._backup_queue.discard_many(free)
+        if into is None:
+            host.set_states(free, S.FREE)
+        else:
+            host.reuse(free, S.LOADING, busy_delta)
+            into.extend(free)
+        self.counters.evictions["host"] += want
+        return True
 
     def _drop_undurable_device(self, need: int) -> int:
         """Device room as a last resort, while the remote tier is unavailable and nothing in
