@@ -97,7 +97,9 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
     background_copies: write-through copies start on the pool's offload thread after commit
     returns (True, the default: commit costs only its own bookkeeping, and the copy's work runs
     while the engine's thread waits on the GPU), or inside commit (False: better for a caller
-    that never blocks, where a second thread only competes for the GIL).
+    that never blocks, where a second thread only competes for the GIL). Either way a commit of
+    more than COMMIT_IN_CHUNKS pages over an engine that queues its copies starts them inside
+    commit, chunk by chunk (see `commit`).
     layer_ordered_loads: a load of several chunks copies every layer of the chunks booked while
     the link would otherwise wait for the bookkeeping, and only the first layer of the later ones,
     whose other layers follow layer by layer (with an engine that copies a subset of layers), so
