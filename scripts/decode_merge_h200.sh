@@ -7,8 +7,10 @@
 #   bench    benchmarks/decode_attention.py --quick (decode_attention.json): the official table
 #   tests    the decode tests of the merges on the GPU (pytest)
 #   reload   benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads, the pool's
-#            copy kernel at one block an SM against 33 and 66 blocks a launch, alternating (reload.tgz)
-#   bulk     benchmarks/pool_bulk.py for build/oldtree (carried) and this tree, alternating (bulk.tgz)
+#            copy kernel at one block an SM against 33 blocks a launch, alternating (reload.tgz)
+#   bulk     benchmarks/pool_bulk.py for build/oldtree (carried; made with
+#            `git archive REV kvtier benchmarks native | tar -x -C build/oldtree`) and this tree,
+#            alternating, then the pool's GPU tests (bulk.tgz)
 #   ROUNDS (default 2): rounds of the alternating parts
 #     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS="reload bulk" bash scripts/decode_merge_h200.sh
 set -uo pipefail
