@@ -184,39 +184,38 @@ class TierRoom:
         pages behind them still go. Returns how many are free now or on their way. With `into`,
         the freed slots are not freed but handed to new pages (LOADING, `busy_delta` copies)
         and appended to `into`."""
-        host, dev = self._host, self._dev
+        host = self._host
         want = len(victims) if want is None else want
-        if want >= BULK and self._evict_clean_host(victims, want, into, busy_delta):
-            return want
-        free, queued, unavailable = [], 0, 0
-        for slot in victims:
-            if len(free) + queued >= want:
-                break
-            if host.state[slot] == S.DIRTY:
-                if not self.write_policy.copy_on_evict(host.hits[slot]):
-                    self._count_drop("selective", 1)
-                elif self._breaker.healthy or (
-                        self._breaker.wait_s() == 0 and not self._backups_in_flight):
-                    # Unhealthy but its back-off is over: these pages are the probe (write-back
-                    # queues pages only here, so without it no probe would ever be sent).
-                    if slot not in self._backup_queue:
-                        self._backup_queue.append(slot)
-                        queued += 1
-                    continue
-                else:
-                    unavailable += 1
-            free.append(slot)
-        if unavailable:
-            self._drop_unavailable("host", unavailable)
-        durable_below = self._link is not None
-        for slot in free:
+        free, queued = self._clean_victims(victims, want), 0
+        if free is None:
+            free, unavailable = [], 0
+            for slot in victims:
+                if len(free) + queued >= want:
+                    break
+                if host.state[slot] == S.DIRTY:
+                    if not self.write_policy.copy_on_evict(host.hits[slot]):
+                        self._count_drop("selective", 1)
+                    elif self._breaker.healthy or (
+                            self._breaker.wait_s() == 0 and not self._backups_in_flight):
+                        # Unhealthy but its back-off is over: these pages are the probe (write-back
+                        # queues pages only here, so without it no probe would ever be sent).
+                        if slot not in self._backup_queue:
+                            self._backup_queue.append(slot)
+                            queued += 1
+                        continue
+                    else:
+                        unavailable += 1
+                free.append(slot)
+            if unavailable:
+                self._drop_unavailable("host", unavailable)
             # A page the host tier lets go that no tier below holds (no remote tier, or not
-            # durable there yet): its device copy, if any, is now the only one and becomes dirty.
-            if not durable_below or host.state[slot] == S.DIRTY:
-                dslot = dev.lookup(host.id_of(slot))
-                if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
-                    dev.set_state(dslot, S.DIRTY)
-            self._backup_queue.discard(slot)
+            # durable there yet): its device copy, if any, is now the only one.
+            orphans = free if self._link is None else [slot for slot in free if host.state[slot] == S.DIRTY]
+        else:
+            orphans = free if self._link is None else []
+        self._dirty_device_copies(orphans)
+        if len(self._backup_queue):
+            self._backup_queue.discard_many(free)
         if into is None:
             host.set_states(free, S.FREE)
         else:
@@ -227,35 +226,33 @@ class TierRoom:
         self.counters.evictions["host"] += len(free)
         return len(free) + queued
 
-    def _evict_clean_host(self, victims: list[int], want: int, into: list | None, busy_delta: int) -> bool:
-        """`_evict_host` of `want` (>= BULK) victims when the first `want` are all clean (the host
-        tier's steady state under write-through): the same changes in numpy and batch calls.
-        False, nothing changed, when there are fewer or one of them is dirty (the loop decides)."""
-        if len(victims) < want:
-            return False
-        host, dev = self._host, self._dev
+    def _clean_victims(self, victims: list[int], want: int) -> list[int] | None:
+        """The first `want` victims when they are BULK or more and all clean (the host tier's
+        steady state under write-through: they all go, no per-page choice), found in numpy;
+        else None, for `_evict_host`'s loop to choose page by page."""
+        if want < BULK or len(victims) < want:
+            return None
         free = victims[:want]
-        at = np.asarray(free, dtype=np.int64)
-        if (host._np_state[at] == int(S.DIRTY)).any():
-            return False
-        if self._link is None:
-            # A clean host page whose last tier is the host: the device copy, if any, becomes the
-            # only one, so a RESIDENT one turns DIRTY (as the loop does page by page).
-            found = dev.table.get_many_array(host.table.ids_of(free))
-            held = found[found >= 0]
-            if held.size:
-                held = held[dev._np_state[held] == int(S.RESIDENT)]
-                if held.size:
-                    dev.set_states(held.tolist(), S.DIRTY, distinct=True)
-        if len(self._backup_queue):
-            self._backup_queue.discard_many(free)
-        if into is None:
-            host.set_states(free, S.FREE)
-        else:
-            host.reuse(free, S.LOADING, busy_delta)
-            into.extend(free)
-        self.counters.evictions["host"] += want
-        return True
+        if (self._host._np_state[np.asarray(free, dtype=np.int64)] == int(S.DIRTY)).any():
+            return None
+        return free
+
+    def _dirty_device_copies(self, host_slots: list[int]) -> None:
+        """The device's RESIDENT copies of the pages in `host_slots` (which the host tier is
+        letting go, and no tier below holds) become DIRTY: each is now the only copy. Batch
+        lookups from BULK slots, one at a time below."""
+        host, dev = self._host, self._dev
+        if len(host_slots) < BULK:
+            for slot in host_slots:
+                dslot = dev.lookup(host.id_of(slot))
+                if dslot >= 0 and dev.state[dslot] == S.RESIDENT:
+                    dev.set_state(dslot, S.DIRTY)
+            return
+        found = dev.table.get_many_array(host.table.ids_of(host_slots))
+        held = found[found >= 0]
+        held = held[dev._np_state[held] == int(S.RESIDENT)]
+        if held.size:
+            dev.set_states(held.tolist(), S.DIRTY, distinct=True)
 
     def _drop_undurable_device(self, need: int) -> int:
         """Device room as a last resort, while the remote tier is unavailable and nothing in
