@@ -95,6 +95,18 @@ def _read_back(pool, keys, expected) -> None:
     pool.release(slots)
 
 
+def _recording_pool(registry, **kw):
+    """(pool, its RecordingDeferred engine)."""
+    engines = []
+
+    def make(d, h):
+        engines.append(RecordingDeferred(d, h))
+        return engines[-1]
+
+    pool = _pool(registry, make, **kw)
+    return pool, engines[0]
+
+
 def _commit(pool, keys, gen):
     slots = pool.allocate(len(keys))
     fill_random(pool, slots, gen)
@@ -104,15 +116,8 @@ def _commit(pool, keys, gen):
 
 @pytest.mark.parametrize("n", [COMMIT_IN_CHUNKS + 1, 600])
 def test_a_long_commit_starts_its_copies_in_chunks_on_the_calling_thread(registry, gen, n):
-    engines = []
-
-    def make(d, h):
-        engines.append(RecordingDeferred(d, h))
-        return engines[-1]
-
-    pool = _pool(registry, make)
+    pool, engine = _recording_pool(registry)
     try:
-        engine = engines[0]
         keys = [f"long-{i}" for i in range(n)]
         slots, expected = _commit(pool, keys, gen)
         assert pool.commit(keys, slots) == n
@@ -135,13 +140,7 @@ def test_a_long_commit_with_a_bad_or_repeated_key_late_in_the_batch_changes_noth
     """A chunked commit hashes each chunk's keys as it goes, so every key is checked (type, empty,
     repeat) before the first chunk is keyed: a fault at position 250 raises with no page keyed
     and no copy queued, and the same slots commit afterwards."""
-    engines = []
-
-    def make(d, h):
-        engines.append(RecordingDeferred(d, h))
-        return engines[-1]
-
-    pool = _pool(registry, make)
+    pool, engine = _recording_pool(registry)
     try:
         keys = [f"long-{i}" for i in range(300)]
         slots, expected = _commit(pool, keys, gen)
@@ -151,11 +150,11 @@ def test_a_long_commit_with_a_bad_or_repeated_key_late_in_the_batch_changes_noth
         with pytest.raises(error, match="250|repeat"):
             pool.commit(wrong, slots)
         assert pool.stats()["states"] == before
-        assert engines[0].offloads == []
+        assert engine.offloads == []
         assert pool.match(keys[:1]).total == 0
         assert pool.commit(tuple(keys), slots) == 300  # a tuple takes the same path
         pool.release(slots)
-        with Lander(engines[0]):
+        with Lander(engine):
             assert pool.flush() == 0
             _read_back(pool, keys, expected)
     finally:
@@ -163,15 +162,8 @@ def test_a_long_commit_with_a_bad_or_repeated_key_late_in_the_batch_changes_noth
 
 
 def test_a_short_commit_leaves_its_copy_to_the_offload_thread(registry, gen):
-    engines = []
-
-    def make(d, h):
-        engines.append(RecordingDeferred(d, h))
-        return engines[-1]
-
-    pool = _pool(registry, make)
+    pool, engine = _recording_pool(registry)
     try:
-        engine = engines[0]
         keys = [f"short-{i}" for i in range(COMMIT_IN_CHUNKS)]
         slots, _ = _commit(pool, keys, gen)
         pool.commit(keys, slots)
@@ -212,22 +204,16 @@ def test_a_long_commit_over_an_engine_that_copies_in_the_call_leaves_the_copy_to
 
 
 def test_a_long_write_back_commit_copies_nothing(registry, gen):
-    engines = []
-
-    def make(d, h):
-        engines.append(RecordingDeferred(d, h))
-        return engines[-1]
-
-    pool = _pool(registry, make, policy="write_back")
+    pool, engine = _recording_pool(registry, policy="write_back")
     try:
         keys = [f"wb-{i}" for i in range(400)]
         slots, _ = _commit(pool, keys, gen)
         assert pool.commit(keys, slots) == 400
-        assert engines[0].offloads == []
+        assert engine.offloads == []
         assert pool.stats()["states"]["device"]["dirty"] == 400
         pool.release(slots)
     finally:
-        with Lander(engines[0]):  # close flushes the dirty pages
+        with Lander(engine):  # close flushes the dirty pages
             pool.close()
 
 
@@ -266,9 +252,7 @@ def test_long_commits_beside_loads_and_evictions_on_threads(registry):
             for round_ in range(6):
                 n = COMMIT_IN_CHUNKS + 1 + 37 * round_
                 keys = [f"t{t}-r{round_}-{i}" for i in range(n)]
-                slots = pool.allocate(n)
-                fill_random(pool, slots, gen)
-                expect = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+                slots, expect = _commit(pool, keys, gen)
                 pool.commit(keys, slots)
                 pool.release(slots)
                 with lock:
