@@ -5,13 +5,17 @@
 #            (regs_probe_merge.json); if "pdl" beats "kernel" at every fp8 shape of the probe, this
 #            copy's fp8 default takes merge="pdl" (patched here, said in the log) before the next part
 #   bench    benchmarks/decode_attention.py --quick (decode_attention.json): the official table
+#   (PARTS=bench runs the official table alone, without the merge probe and the tests)
 #   tests    the decode tests of the merges on the GPU (pytest)
 #   reload   benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads, the pool's
 #            copy kernel at one block an SM against 33 blocks a launch, alternating (reload.tgz)
 #   bulk     benchmarks/pool_bulk.py for build/oldtree (carried; made with
 #            `git archive REV kvtier benchmarks native | tar -x -C build/oldtree`) and this tree,
 #            alternating, then the pool's GPU tests (bulk.tgz)
-#   ROUNDS (default 2): rounds of the alternating parts
+#   latency  benchmarks/pool_latency.py --pages 16 (32 layers, fp8) for build/oldtree and this tree,
+#            alternating (latency.tgz): the host time of 16-page loads and commits
+#   ROUNDS (default 2): rounds of the alternating parts; RELOAD_BLOCKS (default "default 33"): the
+#   reload part's block caps
 #     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS="reload bulk" bash scripts/decode_merge_h200.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -47,10 +51,14 @@ echo "bench rc=$?"; tail -22 "$OUT/bench.log"
 timeout -k 5 90 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k "pdl or fused_merge or split_kv" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 fi
+if has bench; then
+timeout -k 5 260 env PYTHONPATH=. python3 benchmarks/decode_attention.py --quick --json "$OUT/decode_attention.json" > "$OUT/bench.log" 2>&1
+echo "bench rc=$?"; tail -22 "$OUT/bench.log"
+fi
 if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for blocks in default 33; do
+  for blocks in ${RELOAD_BLOCKS:-default 33}; do
     extra=(); [ "$blocks" != default ] && extra=(--reload-blocks "$blocks")
     timeout -k 5 60 env PYTHONPATH=. python3 benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads \
       "${extra[@]}" --json "$R/reload_${blocks}_${round}.json" > "$R/reload_${blocks}_${round}.log" 2>&1
@@ -58,6 +66,19 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   done
 done
 tar -C "$OUT" -czf "$OUT/reload.tgz" reload && rm -rf "$R"
+fi
+if has latency; then
+OLD=${OLD:-build/oldtree}
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for tree in old new; do
+    if [ $tree = old ]; then dir=$OLD; else dir=.; fi
+    [ -d "$dir/kvtier" ] || { echo "no tree at $dir"; continue; }
+    timeout -k 5 90 env PYTHONPATH="$dir" python3 "$dir/benchmarks/pool_latency.py" --pages 16 --repeats 20 \
+      --formats "32L fp8 (1 MiB)" --json "$OUT/latency_${tree}_${round}.json" > "$OUT/latency_${tree}_${round}.log" 2>&1
+    echo "latency $tree round $round rc=$?"; grep -h "^ *32L\| 16 " "$OUT/latency_${tree}_${round}.log" | head -3
+  done
+done
+tar -C "$OUT" -czf "$OUT/latency.tgz" $(cd "$OUT" && ls latency_*) && rm -f "$OUT"/latency_*.json "$OUT"/latency_*.log
 fi
 # bulk: benchmarks/pool_bulk.py (commit + flush, then load, of whole tiers) for the tree in
 # build/oldtree (carried; OLD=<dir>) and this one, alternating: long commits start their copies in chunks
