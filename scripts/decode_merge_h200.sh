@@ -15,7 +15,7 @@
 #   latency  benchmarks/pool_latency.py --pages 16 (32 layers, fp8) for build/oldtree and this tree,
 #            alternating (latency.tgz): the host time of 16-page loads and commits
 #   ROUNDS (default 2): rounds of the alternating parts; RELOAD_BLOCKS (default "default 33"): the
-#   reload part's block caps
+#   reload part's block caps; RELOAD_TREES="old new": the reload part for build/oldtree (OLD) too
 #     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS="reload bulk" bash scripts/decode_merge_h200.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -58,11 +58,15 @@ fi
 if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
 for round in $(seq 1 "${ROUNDS:-2}"); do
+  for tree in ${RELOAD_TREES:-new}; do
+  dir=.; [ "$tree" = old ] && dir=${OLD:-build/oldtree}
   for blocks in ${RELOAD_BLOCKS:-default 33}; do
     extra=(); [ "$blocks" != default ] && extra=(--reload-blocks "$blocks")
-    timeout -k 5 60 env PYTHONPATH=. python3 benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads \
-      "${extra[@]}" --json "$R/reload_${blocks}_${round}.json" > "$R/reload_${blocks}_${round}.log" 2>&1
-    echo "reload blocks=$blocks round $round rc=$?"; grep -h "decode batch\|timeline" "$R/reload_${blocks}_${round}.log"
+    name="${tree}_${blocks}_${round}"
+    timeout -k 5 60 env PYTHONPATH="$dir" python3 "$dir/benchmarks/decode_ttft.py" --quick --decode-only --graphs \
+      --layer-ordered-loads "${extra[@]}" --json "$R/reload_$name.json" > "$R/reload_$name.log" 2>&1
+    echo "reload tree=$tree blocks=$blocks round $round rc=$?"; grep -h "decode batch\|timeline" "$R/reload_$name.log"
+  done
   done
 done
 tar -C "$OUT" -czf "$OUT/reload.tgz" reload && rm -rf "$R"
