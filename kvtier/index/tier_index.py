@@ -349,11 +349,11 @@ class TierIndex:
             self.busy_slots += take
         return slots
 
-    def take_bound(self, kids: Sequence[bytes]) -> list[int]:
-        """A free slot for each id (the caller checked there are enough), keyed with it, LOADING,
-        one copy in flight and held by the engine: what a load's new page is until its bytes
-        land, in one pass instead of three (take, bind, pin)."""
-        n = len(kids)
+    def take_loading(self, n: int) -> list[int]:
+        """n free slots (the caller checked there are enough), LOADING, one copy in flight and held
+        by the engine, in one pass instead of three (take, pin, copy): what a load's new pages are
+        until their bytes land. Not keyed: the caller binds their ids (`table.bind_many`) right
+        after queueing their copy, under the same lock."""
         if not n:
             return []
         free = self.free
@@ -365,13 +365,11 @@ class TierIndex:
         state, pins, busy = self.state, self.pins, self.busy
         loading = int(S.LOADING)
         if n >= BULK:  # free slots never repeat
-            self.table.bind_many(kids, slots)
             at = np.array(slots, dtype=np.int64)
             self._np_state[at] = loading
             self._np_busy[at] = 1
             self._np_pins[at] = 1
         else:
-            self.table.bind_many(kids, slots)  # below BIND_MANY one inline loop, no call per id
             for slot in slots:
                 state[slot] = loading
                 busy[slot] = 1

@@ -194,23 +194,30 @@ class Loading:
                     self._release_host(srcs)
                     self._cancel_load_now(pinned, started, pending)
                     return None
-            targets = dev.take_bound(src_ids)
+            # The new slots are taken (LOADING, held) now and keyed once their copy is queued: the
+            # bytes start moving before the key table's binds, all under the lock.
+            targets = dev.take_loading(n)
             if ready is None:
                 ready = engine.record_ready()
+            flags = [False, False, 0]  # cancelled, landed, its number in `landing` (0: not marked yet)
+            if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, total - pos):
+                queued_s += n * page_s / num_layers
+                ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
+                deferred = True
+            else:
+                queued_s += n * page_s
+                ticket = engine.reload(srcs, targets, ready=ready)
+                deferred = False
+            dev.table.bind_many(src_ids, targets)
             if type(src_pos) is range:
                 out[src_pos.start : src_pos.stop] = targets
             else:
                 for i, slot in zip(src_pos, targets):
                     out[i] = slot
-            flags = [False, False, 0]  # cancelled, landed, its number in `landing` (0: not marked yet)
-            if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, total - pos):
-                queued_s += n * page_s / num_layers
-                ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
+            if deferred:
                 started.append((targets, ticket, flags))
                 pending.append((srcs, targets, ticket, flags))
                 continue
-            queued_s += n * page_s
-            ticket = engine.reload(srcs, targets, ready=ready)
             flags[2] = landing.mark(targets, ticket)
             started.append((targets, ticket, flags))
             self._submit(ticket, self._landed(srcs, targets, flags))
