@@ -337,6 +337,46 @@ def test_key_filled_and_take_free_leave_what_the_state_machine_leaves(monkeypatc
             assert fast.ids_of(slots) == slow.ids_of(slots) == kids
 
 
+@pytest.mark.parametrize("bulk", [10**9, 1])
+def test_take_loading_then_bind_leaves_what_the_state_machine_leaves(monkeypatch, bulk):
+    """A load's new slots: take_loading (LOADING, held, one copy in flight, not keyed: a lookup
+    misses until the bind) then bind_many leave each slot, count, hold and key as take_free, pin
+    and bind_all do, below and above BULK; the landing (set_states, unhold, unpin) leaves both
+    alike too."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    monkeypatch.setattr(tier_index, "BULK", bulk)
+    monkeypatch.setattr(slot_list, "BULK", bulk)
+    rng = random.Random(bulk + 1)
+    fast = TierIndex("device", 400, make_policy("lru", 400))
+    slow = TierIndex("device", 400, make_policy("lru", 400))
+    for _ in range(8):
+        n = rng.randint(0, 70)
+        kids = [os.urandom(16) for _ in range(n)]
+        slots = fast.take_loading(n)
+        assert all(fast.lookup(k) < 0 for k in kids)
+        assert all(fast.state[s] == PageState.LOADING and fast.pins[s] == 1 and fast.busy[s] == 1 for s in slots)
+        fast.table.bind_many(kids, slots)
+        want = slow.take_free(n, PageState.LOADING, busy_delta=1)
+        slow.pin_all(want)
+        slow.bind_all(want, kids)
+        assert slots == want
+        for index in (fast, slow):
+            index.check()
+            assert [index.lookup(k) for k in kids] == slots
+        assert bytes(fast.state) == bytes(slow.state) and fast.counts == slow.counts
+        assert (fast.held, fast.busy_slots) == (slow.held, slow.busy_slots)
+        landed = rng.sample(slots, len(slots) // 2)
+        let_go = rng.sample(landed, len(landed) // 2)
+        for index in (fast, slow):
+            index.set_states(landed, PageState.RESIDENT)
+            index.unhold_all(landed)
+            index.set_states(index.unpin_all(let_go), PageState.FREE)
+            index.check()
+        assert bytes(fast.state) == bytes(slow.state) and fast.counts == slow.counts
+        assert list(fast.policy) == list(slow.policy)
+
+
 def test_reuse_in_numpy_leaves_what_the_loop_leaves(monkeypatch):
     """`reuse` of a long batch (numpy: eviction order, dirty list, hits, states, counts, busy)
     leaves each index as the one-slot-at-a-time loop does, for clean and dirty victims taken from
