@@ -248,6 +248,59 @@ def test_a_bad_key_in_a_later_chunk_raises_after_the_first_chunk_and_leaves_the_
     pool.close()
 
 
+class FailingReloadEngine(TorchEngine):
+    """The torch twin whose `fail_at`-th reload call (counting whole and per-layer reloads from 1)
+    raises before it copies anything."""
+
+    fail_at = 0
+
+    def __init__(self, device_tier, host_tier) -> None:
+        super().__init__(device_tier, host_tier)
+        self.calls = 0
+
+    def _count(self) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected: the reload could not start")
+
+    def reload(self, host_slots, device_slots, ready=None):
+        self._count()
+        return super().reload(host_slots, device_slots, ready)
+
+    def reload_layers(self, host_slots, device_slots, layers, ready=None):
+        self._count()
+        return super().reload_layers(host_slots, device_slots, layers, ready)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_reload_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen, monkeypatch, ordered, fail_at):
+    """The engine raises as a chunk's copy is started (the first chunk's, or the second's after
+    the first was queued): the load raises that error, no device slot stays taken or held, no host
+    page stays held, and the same load then lands every page bit-exact."""
+    monkeypatch.setattr(FailingReloadEngine, "fail_at", fail_at)
+    pool = _pool(registry, FailingReloadEngine, ordered=ordered)
+    keys = prefix_keys(np.arange(170), 1, pool.namespace)
+    expected = _write(pool, keys, gen)
+    pool.evict(keys=keys[10:])  # 10 stay on the device, 160 come from the host
+    before = pool.stats()["states"]
+    pool.engine.calls = 0
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.load(keys)
+    assert pool.engine.calls == fail_at
+    pool.match(keys[:1])  # a call that reaps whatever landed
+    assert pool.stats()["states"] == before
+    assert pool._dev.held == 0 and pool._dev.busy_slots == 0 and pool._host.busy_slots == 0
+    assert pool.match(keys).device == 10
+    _check_indexes(pool)
+    handle = pool.load(keys)
+    handle.synchronize()
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
+    pool.release(handle.slots)
+    _check_indexes(pool)
+    pool.close()
+
+
 def test_a_long_load_that_falls_back_to_the_general_path_keys_every_key(registry, gen):
     """A key no tier holds in a later chunk of a long load: the chunks before it are cancelled and
     the general path names the missing key among all the keys asked; a generator of keys (no

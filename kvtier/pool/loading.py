@@ -200,14 +200,23 @@ class Loading:
             if ready is None:
                 ready = engine.record_ready()
             flags = [False, False, 0]  # cancelled, landed, its number in `landing` (0: not marked yet)
-            if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, total - pos):
-                queued_s += n * page_s / num_layers
-                ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
-                deferred = True
-            else:
-                queued_s += n * page_s
-                ticket = engine.reload(srcs, targets, ready=ready)
-                deferred = False
+            try:
+                if split and defers_other_layers(queued_s, n * page_s, time.perf_counter() - started_at, pos, total - pos):
+                    queued_s += n * page_s / num_layers
+                    ticket = engine.reload_layers(srcs, targets, range(1), ready=ready)
+                    deferred = True
+                else:
+                    queued_s += n * page_s
+                    ticket = engine.reload(srcs, targets, ready=ready)
+                    deferred = False
+            except BaseException:
+                # The copy never started: this chunk's slots go back to the free list, its sources
+                # are let go, the chunks before it are cancelled, and the caller sees the error.
+                dev.unpin_all(targets)
+                dev.set_states(targets, S.FREE, busy_delta=-1)
+                self._release_host(srcs)
+                self._cancel_load_now(pinned, started, pending)
+                raise
             dev.table.bind_many(src_ids, targets)
             if type(src_pos) is range:
                 out[src_pos.start : src_pos.stop] = targets
