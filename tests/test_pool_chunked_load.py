@@ -301,6 +301,35 @@ def test_a_reload_that_fails_to_start_leaves_both_tiers_as_they_were(registry, g
     pool.close()
 
 
+def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen, monkeypatch):
+    """The general path (a load into slots from `allocate`): the engine raises as the reload is
+    started. The load raises that error; the given slots are the caller's again, unkeyed and
+    held as they came; no host page stays held; the same load then lands every page bit-exact."""
+    monkeypatch.setattr(FailingReloadEngine, "fail_at", 1)
+    pool = _pool(registry, FailingReloadEngine, ordered=False)
+    keys = prefix_keys(np.arange(40), 1, pool.namespace)
+    expected = _write(pool, keys, gen)
+    pool.evict(keys=keys[5:])  # 5 are copied on the device, 35 come from the host
+    targets = pool.allocate(40)
+    before = pool.stats()["states"]
+    pool.engine.calls = 0
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.load(keys, targets)
+    assert pool.engine.calls == 1
+    pool.match(keys[:1])  # a call that reaps the device copies that did start
+    assert pool.stats()["states"] == before
+    assert pool._dev.held == 40 and pool._dev.busy_slots == 0 and pool._host.busy_slots == 0
+    assert pool.match(keys).device == 5 and pool.match(keys).host == 35
+    _check_indexes(pool)
+    handle = pool.load(keys, targets)
+    handle.synchronize()
+    assert handle.slots == targets
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, targets))
+    pool.release(targets)
+    _check_indexes(pool)
+    pool.close()
+
+
 def test_a_long_load_that_falls_back_to_the_general_path_keys_every_key(registry, gen):
     """A key no tier holds in a later chunk of a long load: the chunks before it are cancelled and
     the general path names the missing key among all the keys asked; a generator of keys (no

@@ -32,7 +32,9 @@ ALLOWED: dict[PageState, frozenset[PageState]] = {
     # FILLING -> OFFLOADING: a committed page whose copy to the tier below starts at once.
     S.FILLING: frozenset({S.FREE, S.RESIDENT, S.DIRTY, S.LOADING, S.OFFLOADING}),
     # A load that fails frees the slot; a landed copy is clean or dirty w.r.t. the tier below.
-    S.LOADING: frozenset({S.FREE, S.RESIDENT, S.DIRTY}),
+    # LOADING -> FILLING: a reload into a slot the engine holds could not start; the slot goes
+    # back to the engine as it was.
+    S.LOADING: frozenset({S.FREE, S.RESIDENT, S.DIRTY, S.FILLING}),
     # RESIDENT -> DIRTY when the tier below evicts its copy.
     S.RESIDENT: frozenset({S.FREE, S.DIRTY}),
     # DIRTY -> FREE is a deliberate, counted drop: write_through_selective's unpopular pages, or

@@ -393,8 +393,16 @@ class Loading:
             # it): its copy then lands in our slot as a private, unkeyed page.
             keyed = [slot < 0 for slot in dev.table.get_many([ids[i] for i in reload_idx])]
             sources = [host_src[i] for i in reload_idx]
-            host_src.clear()  # the reload takes over the load's holds on its sources
-            tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))
+            try:
+                tickets.append(self._reload(sources, targets, [ids[i] for i in reload_idx], keyed))
+            except BaseException:
+                # The reload never started: the device pages held above for `out` are let go (the
+                # caller's cleanup lets the host sources and the new slots go).
+                if slots is None:
+                    for i in dev_idx:
+                        dev.unpin(out[i])
+                raise
+            host_src.clear()  # the reload took over the load's holds on its sources
             for i, slot in zip(reload_idx, targets):
                 out[i] = slot
         return LoadHandle(tickets, self.fmt.num_layers, out)

@@ -170,7 +170,16 @@ class Movement:
             dev.bind_all(landing, [k for k, b in zip(ids, keyed) if b])
             dev.hold_all(private)
         dev.set_states(landing, S.LOADING, busy_delta=1, distinct=True)  # keyed just above
-        ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
+        try:
+            ticket = self.engine.reload(host_slots, dev_slots, ready=self.engine.record_ready())
+        except BaseException:
+            # The copy never started: the slots go back to the caller as they came (FILLING,
+            # unkeyed, held), and the host pages stay the caller's to let go.
+            for slot in landing:
+                dev.table.unbind(slot)
+            dev.set_states(landing, S.FILLING, busy_delta=-1, distinct=True)
+            dev.unhold_all(private)
+            raise
         number = self._dev_landing.mark(landing, ticket)
 
         def finish() -> None:
