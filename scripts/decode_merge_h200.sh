@@ -25,6 +25,24 @@ python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, t
 git rev-parse --short HEAD 2>/dev/null
 PARTS=${PARTS:-decode}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+bench_table() {  # the official table: benchmarks/decode_attention.py --quick
+  timeout -k 5 260 env PYTHONPATH=. python3 benchmarks/decode_attention.py --quick --json "$OUT/decode_attention.json" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; tail -22 "$OUT/bench.log"
+}
+alternate() {  # alternate NAME SECONDS SCRIPT ARGS...: benchmarks/SCRIPT of build/oldtree (OLD) and of this
+  # tree, ROUNDS rounds of old then new, each under its own timeout: $OUT/NAME_{old,new}_ROUND.{json,log}
+  local name=$1 limit=$2 script=$3 round tree dir run
+  shift 3
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for tree in old new; do
+      dir=.; [ $tree = old ] && dir=${OLD:-build/oldtree}
+      [ -d "$dir/kvtier" ] || { echo "no tree at $dir"; continue; }
+      run="$OUT/${name}_${tree}_${round}"
+      timeout -k 5 "$limit" env PYTHONPATH="$dir" python3 "$dir/benchmarks/$script" "$@" --json "$run.json" > "$run.log" 2>&1
+      echo "$name $tree round $round rc=$?"
+    done
+  done
+}
 if has decode; then
 timeout -k 5 170 env OUT="$OUT" PYTHONPATH=. python3 scripts/decode_regs_probe.py --merge > "$OUT/merge.log" 2>&1
 echo "merge probe rc=$?"; grep -h " us \|numerics\|copy" "$OUT/merge.log"
@@ -46,14 +64,12 @@ if shapes and all(wins):
     open(p, "w").write(s.replace(old, old + ' merge="pdl",'))
     print("PATCHED this copy: the fp8 default takes merge='pdl' for the benchmark below")
 PY
-timeout -k 5 260 env PYTHONPATH=. python3 benchmarks/decode_attention.py --quick --json "$OUT/decode_attention.json" > "$OUT/bench.log" 2>&1
-echo "bench rc=$?"; tail -22 "$OUT/bench.log"
+bench_table
 timeout -k 5 90 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k "pdl or fused_merge or split_kv" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 fi
 if has bench; then
-timeout -k 5 260 env PYTHONPATH=. python3 benchmarks/decode_attention.py --quick --json "$OUT/decode_attention.json" > "$OUT/bench.log" 2>&1
-echo "bench rc=$?"; tail -22 "$OUT/bench.log"
+bench_table
 fi
 if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
@@ -72,31 +88,15 @@ done
 tar -C "$OUT" -czf "$OUT/reload.tgz" reload && rm -rf "$R"
 fi
 if has latency; then
-OLD=${OLD:-build/oldtree}
-for round in $(seq 1 "${ROUNDS:-2}"); do
-  for tree in old new; do
-    if [ $tree = old ]; then dir=$OLD; else dir=.; fi
-    [ -d "$dir/kvtier" ] || { echo "no tree at $dir"; continue; }
-    timeout -k 5 90 env PYTHONPATH="$dir" python3 "$dir/benchmarks/pool_latency.py" --pages 16 --repeats 20 \
-      --formats "32L fp8 (1 MiB)" --json "$OUT/latency_${tree}_${round}.json" > "$OUT/latency_${tree}_${round}.log" 2>&1
-    echo "latency $tree round $round rc=$?"; grep -h "^ *32L\| 16 " "$OUT/latency_${tree}_${round}.log" | head -3
-  done
-done
+alternate latency 90 pool_latency.py --pages 16 --repeats 20 --formats "32L fp8 (1 MiB)"
+grep -H "^ *32L" "$OUT"/latency_*.log
 tar -C "$OUT" -czf "$OUT/latency.tgz" $(cd "$OUT" && ls latency_*) && rm -f "$OUT"/latency_*.json "$OUT"/latency_*.log
 fi
 # bulk: benchmarks/pool_bulk.py (commit + flush, then load, of whole tiers) for the tree in
 # build/oldtree (carried; OLD=<dir>) and this one, alternating: long commits start their copies in chunks
 if has bulk; then
-OLD=${OLD:-build/oldtree}
-for round in $(seq 1 "${ROUNDS:-2}"); do
-  for tree in old new; do
-    if [ $tree = old ]; then dir=$OLD; else dir=.; fi
-    [ -d "$dir/kvtier" ] || { echo "no tree at $dir"; continue; }
-    timeout -k 5 100 env PYTHONPATH="$dir" python3 "$dir/benchmarks/pool_bulk.py" --records 1m,2m,64k --repeats 3 \
-      --json "$OUT/bulk_${tree}_${round}.json" > "$OUT/bulk_${tree}_${round}.log" 2>&1
-    echo "bulk $tree round $round rc=$?"; grep -A3 "x PCIe" "$OUT/bulk_${tree}_${round}.log"
-  done
-done
+alternate bulk 100 pool_bulk.py --records 1m,2m,64k --repeats 3
+grep -H -A3 "x PCIe" "$OUT"/bulk_*.log
 timeout -k 5 120 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pool_gpu.py tests/test_pool_chunked_commit.py \
   > "$OUT/bulk_tests.log" 2>&1
 echo "pool GPU tests rc=$?"; tail -3 "$OUT/bulk_tests.log"

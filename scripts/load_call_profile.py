@@ -32,18 +32,26 @@ from kvtier import PageFormat, TieredPool, prefix_keys  # noqa: E402
 FORMAT = dict(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype="fp8_e4m3", scale="per_token_head")
 
 
-def run(pages: int, loads: int, layer_ordered: bool, top: int, device: str) -> None:
+def decode_step_pool(pages: int, device: str, layer_ordered: bool) -> tuple[TieredPool, list[bytes]]:
+    """A write-through pool in FORMAT with room for `pages` on the device and in the host tier,
+    and the keys of `pages` random pages committed and flushed to the host tier (still on the
+    device too)."""
     fmt = PageFormat(**FORMAT)
     pool = TieredPool(fmt, device=device, device_pages=pages + 8, host_pages=pages + 8,
                       write_policy="write_through", registry=CollectorRegistry(), layer_ordered_loads=layer_ordered)
+    keys = prefix_keys(np.random.default_rng(pages).integers(0, 2**31, pages * fmt.page_size), fmt.page_size,
+                       pool.namespace)
+    slots = pool.allocate(pages)
+    pool.commit(keys, slots)
+    pool.release(slots)
+    pool.flush()
+    return pool, keys
+
+
+def run(pages: int, loads: int, layer_ordered: bool, top: int, device: str) -> None:
+    pool, keys = decode_step_pool(pages, device, layer_ordered)
     cuda = device == "cuda"
     with pool:
-        keys = prefix_keys(np.random.default_rng(pages).integers(0, 2**31, pages * fmt.page_size), fmt.page_size,
-                           pool.namespace)
-        slots = pool.allocate(pages)
-        pool.commit(keys, slots)
-        pool.release(slots)
-        pool.flush()
         walls, prof = [], cProfile.Profile()
         for i in range(2 * loads + 1):
             pool.evict(tier="device", keys=keys)

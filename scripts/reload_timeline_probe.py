@@ -29,31 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from kvtier import PageFormat, TieredPool, prefix_keys  # noqa: E402
+from kvtier import PageFormat  # noqa: E402
 from kvtier.index.keys import key_ids  # noqa: E402
 from kvtier.pool import loading  # noqa: E402
-
-FORMAT = dict(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype="fp8_e4m3", scale="per_token_head")
-
-
-def h2d_gbps(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = 0.0
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        best = max(best, nbytes / (start.elapsed_time(end) * 1e-3) / 1e9)
-    return best
+from load_call_profile import FORMAT, decode_step_pool  # noqa: E402  scripts/load_call_profile.py
+from pool_latency import pcie_h2d_gbps  # noqa: E402  benchmarks/pool_latency.py
 
 
 class Recorder:
@@ -172,21 +159,14 @@ def main() -> None:
     fmt = PageFormat(**FORMAT)
     n = args.pages
     nbytes = n * fmt.page_bytes
-    pcie = h2d_gbps(nbytes)
+    pcie = pcie_h2d_gbps(torch.device("cuda"), nbytes)
     print(f"{torch.cuda.get_device_name()}: {n} pages of {fmt.page_bytes} B ({nbytes / 1e6:.0f} MB), "
           f"contiguous H2D {pcie:.1f} GB/s -> bound {nbytes / pcie / 1e6:.2f} ms", flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "pages": n, "page_bytes": fmt.page_bytes, "h2d_gbps": pcie,
               "loads": []}
     for layer_ordered in (True, False):
-        pool = TieredPool(fmt, device="cuda", device_pages=n + 8, host_pages=n + 8, write_policy="write_through",
-                          registry=CollectorRegistry(), layer_ordered_loads=layer_ordered)
+        pool, keys = decode_step_pool(n, "cuda", layer_ordered)
         with pool:
-            keys = prefix_keys(np.random.default_rng(n).integers(0, 2**31, n * fmt.page_size), fmt.page_size,
-                               pool.namespace)
-            slots = pool.allocate(n)
-            pool.commit(keys, slots)
-            pool.release(slots)
-            pool.flush()
             recorder = Recorder(pool.engine)
             for r in range(args.rounds + 1):
                 for plan in (plans if layer_ordered else ["default"]):
