@@ -25,6 +25,12 @@ CONFIGS = {
     "bf16_default": ("bf16", {}),
     "fp8_two": ("fp8", dict(block_n=64, num_warps=4, num_stages=2, fp8_dot="pairs_two_heads", page_ahead=True, programs_per_sm=3)),
     "fp8_stacked": ("fp8", dict(block_n=128, num_warps=4, num_stages=2, fp8_dot="pairs_stacked", page_ahead=True, programs_per_sm=3)),
+    "fp8_fused": ("fp8", dict(merge="fused")),
+    "fp8_pdl": ("fp8", dict(merge="pdl")),
+    "bf16_fused": ("bf16", dict(merge="fused")),
+    "fp8_3s": ("fp8", dict(block_n=128, num_warps=4, num_stages=3, fp8_dot="pairs", page_ahead=True, programs_per_sm=3)),
+    "fp8_3s_fused": ("fp8", dict(block_n=128, num_warps=4, num_stages=3, fp8_dot="pairs", page_ahead=True, programs_per_sm=3,
+                                 merge="fused")),
     "fp8_2kv": ("fp8", dict(block_n=64, num_warps=4, num_stages=3, fp8_dot="pairs", page_ahead=True, kv_per_program=2, programs_per_sm=2)),
 }
 for n in list(CONFIGS):

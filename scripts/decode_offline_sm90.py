@@ -84,6 +84,9 @@ def kernel_and_args(dtype: str, config: dict) -> tuple[object, dict, dict]:
                       BLOCK_N=config["block_n"] // (16 // GROUP if fp8_dot == "pairs_stacked" else 1),
                       SINGLE=False, PAGE_AHEAD=config.get("page_ahead", False),
                       FUSED=config.get("merge") == "fused" and fp8_dot not in ("mma", "pairs_stacked", "pairs_two_heads"), **flags)
+    if "MERGE_H" in kernel.arg_names:  # the fused merge's tile: heads a program, splits (powers of two)
+        fused = constexprs["FUSED"]
+        constexprs.update(MERGE_H=GROUP * config.get("kv_per_program", 1) if fused else 1, MERGE_S=SPLITS if fused else 1)
     if "LAUNCH_MERGE" in kernel.arg_names:  # merge="pdl": the split kernel lets the merge's programs be placed
         constexprs["LAUNCH_MERGE"] = config.get("merge") == "pdl"
     signature, attrs = {}, {}

@@ -13,6 +13,7 @@ at batch 16 x 8k, 16 x 32k, 64 x 8k and 64 x 1k, beside the bf16 default. Needs 
     PYTHONPATH=. python3 scripts/decode_regs_probe.py --more   # around 128/4w/2s cap 128: regs_probe_more.json
     PYTHONPATH=. python3 scripts/decode_regs_probe.py --defaults   # the library's defaults: regs_probe_defaults.json
     PYTHONPATH=. python3 scripts/decode_regs_probe.py --merge   # the defaults, each merge: regs_probe_merge.json
+    PYTHONPATH=. python3 scripts/decode_regs_probe.py --fused   # the fused merge, two and three stages: regs_probe_fused.json
 
 Offline (Triton 3.9, sm_90): registers / local loads and stores / shared memory a program:
 128/2w/2s 255 / 34 / 42 KB (cap 168: 240 local, cap 128: 411); 64/2w/3s 180 / 0 / 40 KB;
@@ -82,7 +83,20 @@ MERGE = {
     "bf16 default": ("bf16", {}),
     "bf16 default merge pdl": ("bf16", {"merge": "pdl"}),
 }
+# --fused: the merge fused into the split kernel (one tile read after the counter, 2026-12-07) beside
+# the merge kernel, for the default and for three stages at 3 programs an SM (0.75x at 16 x 8k on
+# the H200, the best there, but 0.48x at 64 x 1k: one split over 512 programs is 1.3 waves of 396)
+FUSED = {
+    "fp8 default": ("fp8", {}),
+    "fp8 default fused": ("fp8", {"merge": "fused"}),
+    "fp8 128/4w/3s/3": ("fp8", pairs(128, 4, 3, 3)),
+    "fp8 128/4w/3s/3 fused": ("fp8", dict(pairs(128, 4, 3, 3), merge="fused")),
+    "fp8 128/4w/3s/3 cap 168 fused": ("fp8", dict(pairs(128, 4, 3, 3, 168), merge="fused")),
+    "bf16 default": ("bf16", {}),
+    "bf16 default fused": ("bf16", {"merge": "fused"}),
+}
 SHAPES = [(16, 8192), (16, 32768), (64, 8192), (64, 1024)]
+FUSED_SHAPES = [(16, 8192), (16, 32768), (64, 8192), (64, 1024), (16, 1024), (32, 8192)]
 
 
 def main() -> int:
@@ -93,6 +107,9 @@ def main() -> int:
         CONFIGS = {"fp8 default": ("fp8", {}), "bf16 default": ("bf16", {})}
     if "--merge" in sys.argv[1:]:
         CONFIGS = MERGE
+    shapes = SHAPES
+    if "--fused" in sys.argv[1:]:
+        CONFIGS, shapes = FUSED, FUSED_SHAPES
     torch.backends.cuda.matmul.allow_tf32 = False
     checked = {}
     for name, (dtype, config) in CONFIGS.items():
@@ -107,7 +124,8 @@ def main() -> int:
     print(f"device-to-device copy {copy:.0f} GB/s of HBM traffic", flush=True)
     gen = torch.Generator().manual_seed(11)
     rows = []
-    for batch, context in SHAPES:
+    rounds = int(os.environ.get("ROUNDS", "1"))  # the shapes' loop again, each config timed once a round
+    for batch, context in [shape for _ in range(rounds) for shape in shapes]:
         for dtype in ("fp8", "bf16"):
             inputs = bench.make_inputs(batch, context, dtype, "cuda", gen, layout="nhd")
             nbytes = bench.bytes_read(inputs, context)
@@ -121,6 +139,7 @@ def main() -> int:
             inputs = None
             torch.cuda.empty_cache()
     name = ("regs_probe_more" if CONFIGS is MORE else "regs_probe_merge" if CONFIGS is MERGE
+            else "regs_probe_fused" if CONFIGS is FUSED
             else "regs_probe_defaults" if "--defaults" in sys.argv[1:] else "regs_probe")
     out = Path(os.environ.get("OUT", "/tmp")) / f"{name}.json"
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy=copy, numerics=checked, rows=rows), indent=1))

@@ -169,36 +169,43 @@ def _token_scales(S, page, row, kvh, stride_p, stride_t, stride_h, live):
 
 @triton.jit
 def _merge_if_last(
-    MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+    MID_O, MID_LSE, LENS, OUT, CNT, b, unit, head0, tokens_per_split,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr, MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """The merge fused into the split kernel (merge="fused"): after storing its partial output, a
-    program counts itself done on CNT[b, kvh] (zero before the launch), and the one that counts
-    last merges every split of its query heads, as _merge_splits would, so no second kernel runs.
+    program counts itself done on CNT[b, unit] (zero before the launch; `unit` is the launch
+    grid's second index), and the one that counts last merges every split of its HEADS query
+    heads from `head0`, as _merge_splits would, so no second kernel runs.
 
     The counter's add is acq_rel at GPU scope, between barriers: every thread's stores of this
     program happen before it, and the last program's loads after it; the partial outputs are
-    read at L2 (.cg), never from a stale L1 line."""
+    read at L2 (.cg), never from a stale L1 line. The last program reads all of them in one
+    [MERGE_S splits, MERGE_H heads, HEAD_DIM] tile (powers of two >= the splits and HEADS), so
+    the merge costs one round trip to L2 after the counter, not one per split."""
     tl.debug_barrier()
-    done = tl.atomic_add(CNT + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(CNT + b * tl.num_programs(1) + unit, 1, sem="acq_rel", scope="gpu")
     splits = tl.cdiv(tl.load(LENS + b), tokens_per_split)
     if done == splits - 1:
         tl.debug_barrier()
+        offs_s = tl.arange(0, MERGE_S)
+        offs_g = tl.arange(0, MERGE_H)
         offs_d = tl.arange(0, HEAD_DIM)
-        lse_ptr = MID_LSE + b * stride_lb + heads * stride_lh
-        top = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for i in range(0, splits):
-            top = tl.maximum(top, tl.load(lse_ptr + i, mask=mask_h, other=0.0, cache_modifier=".cg"))
-        total = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        o_ptr = MID_O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        for i in range(0, splits):
-            w = tl.exp2(tl.load(lse_ptr + i, mask=mask_h, other=0.0, cache_modifier=".cg") - top)
-            acc += w[:, None] * tl.load(o_ptr + i * stride_os, mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
-            total += w
-        out_ptr = OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
-        tl.store(out_ptr, (acc / total[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        own = offs_g < HEADS
+        heads = head0 + offs_g
+        live = (offs_s[:, None] < splits) & own[None, :]
+        lse = tl.load(MID_LSE + b * stride_lb + heads[None, :] * stride_lh + offs_s[:, None], mask=live,
+                      other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(lse, 0)
+        # Past HEADS every split is -inf (top too): where() keeps those rows' weights 0, not NaN.
+        w = tl.where(live, tl.exp2(lse - top[None, :]), 0.0)
+        o = tl.load(MID_O + b * stride_ob + heads[None, :, None] * stride_oh + offs_s[:, None, None] * stride_os
+                    + offs_d[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+        total = tl.sum(w, 0)
+        total = tl.where(total > 0, total, 1.0)
+        out = tl.sum(w[:, :, None] * o, 0) / total[:, None]
+        tl.store(OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=own[:, None])
 
 
 @triton.jit
@@ -227,6 +234,8 @@ def _decode_split(
     SINGLE: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
     FUSED: tl.constexpr = False,
+    MERGE_H: tl.constexpr = 1,
+    MERGE_S: tl.constexpr = 1,
     LAUNCH_MERGE: tl.constexpr = False,
 ):
     """One (sequence, kv head, split): the split's partial output per query head and its log2-sum-exp.
@@ -315,9 +324,9 @@ def _decode_split(
             tl.store(o_ptr, acc / s[:, None], mask=mask_h[:, None])
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
             if FUSED:
-                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, kvh * GROUP, tokens_per_split,
                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                               BLOCK_H, HEAD_DIM)
+                               GROUP, MERGE_H, MERGE_S, HEAD_DIM)
 
 
 @triton.jit
@@ -469,6 +478,8 @@ def _decode_split_pairs(
     ROW_SUMS: tl.constexpr = False,
     PAGE_AHEAD: tl.constexpr = False,
     FUSED: tl.constexpr = False,
+    MERGE_H: tl.constexpr = 1,
+    MERGE_S: tl.constexpr = 1,
     LAUNCH_MERGE: tl.constexpr = False,
 ):
     """_decode_split for fp8 pages read as int16 words of two values (K and V strides in words).
@@ -525,9 +536,9 @@ def _decode_split_pairs(
         _pairs_store(MID_O, MID_LSE, OUT, b, split, heads, mask_h, offs_w, m, s, s / v_top, acc_even, acc_odd,
                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SINGLE)
         if FUSED and not SINGLE:
-            _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, heads, mask_h, tokens_per_split,
+            _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvh, kvh * GROUP, tokens_per_split,
                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                           BLOCK_H, HEAD_DIM)
+                           GROUP, MERGE_H, MERGE_S, HEAD_DIM)
 
 
 @triton.jit
@@ -555,6 +566,8 @@ def _decode_split_pairs_kv(
     KVP: tl.constexpr,
     PAGE_AHEAD: tl.constexpr = False,
     FUSED: tl.constexpr = False,
+    MERGE_H: tl.constexpr = 1,
+    MERGE_S: tl.constexpr = 1,
 ):
     """_decode_split_pairs over KVP kv heads at once (kv_per_program): program (b, g, split) reads
     kv heads g*KVP .. g*KVP+KVP-1, whose query heads are KVP*GROUP consecutive rows (padded to
@@ -628,9 +641,9 @@ def _decode_split_pairs_kv(
             tl.store(o_ptr + 1, acc_odd / s[:, None], mask=own)
             tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m + tl.log2(s), mask=mask_h)
             if FUSED:
-                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvg, heads, mask_h, tokens_per_split,
+                _merge_if_last(MID_O, MID_LSE, LENS, OUT, CNT, b, kvg, kvg * GROUP * KVP, tokens_per_split,
                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                               BLOCK_H, HEAD_DIM)
+                               GROUP * KVP, MERGE_H, MERGE_S, HEAD_DIM)
 
 
 @triton.jit
@@ -1155,6 +1168,8 @@ def paged_decode_attention(
         SINGLE=single,
         PAGE_AHEAD=page_ahead,
         FUSED=fused,
+        **({"MERGE_H": triton.next_power_of_2(group * kvp), "MERGE_S": max(2, triton.next_power_of_2(splits))}
+           if fused else {}),
         **flags,
         num_warps=num_warps,
         num_stages=num_stages,
