@@ -362,6 +362,7 @@ def test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages(registry):
     errors: list[str] = []
     truth: dict = {}
     truth_lock = threading.Lock()
+    loads = [0]
 
     def lander():
         rng = np.random.default_rng(1)
@@ -387,8 +388,17 @@ def test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages(registry):
                     mine = [k for k in truth if rng.random() < 0.2][:3]
                 m = pool.match(mine)
                 if m.total:
-                    handle = pool.load(mine[: m.total])
+                    try:
+                        handle = pool.load(mine[: m.total])
+                    except KeyError as exc:
+                        # Write-back without a remote tier: another thread's evict may drop a matched
+                        # page from every tier between this match and this load (allowed; see run_stress).
+                        if "in no tier" not in str(exc):
+                            raise
+                        continue
                     handle.synchronize()
+                    with truth_lock:
+                        loads[0] += 1
                     for k, s in zip(mine, handle.slots):
                         if snapshot(pool, s) != truth[k]:
                             errors.append(f"thread {tid}: key {k.hex()[:8]} in slot {s} holds another page")
@@ -410,6 +420,7 @@ def test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages(registry):
     stop.set()
     landing.join(LIVENESS_S)
     assert not errors, errors[:5]
+    assert loads[0] > 0, "no load ever ran: the test checked nothing"
     pool._dev.check()
     pool._host.check()
 
