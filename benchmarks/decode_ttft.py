@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtier import TieredPool, prefix_keys  # noqa: E402
 from kvtier.decode.model import DecoderConfig, PagedKV, TinyDecoder  # noqa: E402
 from kvtier.decode.runner import DecodeRunner, Request  # noqa: E402
+from pool_latency import pcie_h2d_gbps  # noqa: E402  benchmarks/pool_latency.py
 
 PAGE = 16
 USER_TOKENS = 16
@@ -114,23 +115,6 @@ def ttft(model: TinyDecoder, prefix_tokens: int, repeats: int, gen: torch.Genera
     row.update(prefix_tokens=prefix_tokens, recompute_over_host=row["recompute"] / row["host"],
                host_over_resident=row["host"] / row["resident"])
     return row
-
-
-def h2d_rate(nbytes: int, cuda: bool) -> float | None:
-    """Bytes per second of one contiguous pinned host-to-device copy (None without CUDA)."""
-    if not cuda:
-        return None
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(samples)
 
 
 def decode_step(model: TinyDecoder, batch: int, context: int, repeats: int, gen: torch.Generator, cuda: bool,
@@ -329,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         model = TinyDecoder(CPU_MODEL, "cpu")
         prefixes, shapes, repeats = (64, 128), [(1, 64), (2, 64)], 2
     print(f"TTFT and prefetched decode: {meta}\nmodel: {model.config}", flush=True)
-    h2d = h2d_rate(256 << 20, cuda)
+    h2d = pcie_h2d_gbps(torch.device("cuda"), 256 << 20) * 1e9 if cuda else None  # bytes/s
     if cuda:
         print(f"pinned host-to-device copy: {h2d / 1e9:.1f} GB/s", flush=True)
     ttft_rows = []

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtier.format import PageFormat  # noqa: E402
 from kvtier.tiers import DeviceTier, HostTier  # noqa: E402
 from kvtier.transfer import TorchEngine  # noqa: E402
+from pool_latency import pcie_h2d_gbps  # noqa: E402  benchmarks/pool_latency.py
 
 FORMATS = {
     "32L fp8 1MiB": PageFormat(32, 8, 128, 16, dtype="fp8_e4m3", scale="per_page_head"),
@@ -39,21 +40,6 @@ FORMATS = {
     "92L fp8->bf16": PageFormat(92, 8, 128, 64, dtype="fp8_e4m3", scale="per_page_head", device_dtype="bf16"),
 }
 BATCHES = (1, 4, 16, 256)
-
-
-def pcie_rate() -> float:
-    """Contiguous pinned H2D bytes per second (256 MiB, median of 5)."""
-    src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return src.numel() / statistics.median(times[1:])
 
 
 def time_calls(call, repeats: int) -> tuple[float, float]:
@@ -129,7 +115,7 @@ def python_share(repeats: int = 2000) -> list[dict]:
 def run(args) -> list[dict]:
     cuda = torch.cuda.is_available()
     rows = []
-    rate = pcie_rate() if cuda else float("nan")
+    rate = pcie_h2d_gbps(torch.device("cuda")) * 1e9 if cuda else float("nan")  # bytes/s
     batches = BATCHES if cuda and not args.quick else tuple(b for b in BATCHES if b <= 16)
     for label, fmt in FORMATS.items():
         pages = max(batches)

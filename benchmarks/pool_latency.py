@@ -45,6 +45,9 @@ FORMATS = {
 
 
 def pcie_h2d_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """GB/s (1e9 bytes) of one contiguous pinned host-to-device copy of `nbytes` (3 warm-up copies,
+    median of 10 timed by CUDA events); NaN off CUDA. The PCIe limit the benchmarks compare
+    against: decode_ttft.py, engine_host_cost.py and scripts/reload_timeline_probe.py use it too."""
     if device.type != "cuda":
         return float("nan")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
