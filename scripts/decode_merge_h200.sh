@@ -6,6 +6,7 @@
 #            copy's fp8 default takes merge="pdl" (patched here, said in the log) before the next part
 #   bench    benchmarks/decode_attention.py --quick (decode_attention.json): the official table
 #   (PARTS=bench runs the official table alone, without the merge probe and the tests)
+#   fused    scripts/decode_regs_probe.py --fused, ncu of those kernels at 16 x 8k, the merges' GPU tests
 #   tests    the decode tests of the merges on the GPU (pytest)
 #   reload   benchmarks/decode_ttft.py --quick --decode-only --graphs --layer-ordered-loads, the pool's
 #            copy kernel at one block an SM against 33 blocks a launch, alternating (reload.tgz)
@@ -70,6 +71,24 @@ echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 fi
 if has bench; then
 bench_table
+fi
+# fused: the fused merge (one tile read after the counter) against the merge kernel, two and three
+# stages, six shapes, ROUNDS rounds (regs_probe_fused.json); ncu (launch, occupancy, speed of light)
+# of those kernels at 16 x 8k (ncu_fused_details.txt); the merges' tests on the GPU. About 8 minutes.
+if has fused; then
+timeout -k 5 280 env OUT="$OUT" ROUNDS="${ROUNDS:-2}" PYTHONPATH=. python3 scripts/decode_regs_probe.py --fused > "$OUT/fused.log" 2>&1
+echo "fused probe rc=$?"; grep -h " us \|numerics\|copy" "$OUT/fused.log"
+if command -v ncu > /dev/null; then
+  timeout -k 5 100 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section LaunchStats \
+    --section Occupancy -o "$OUT/ncu_fused" -f env PYTHONPATH=. python3 scripts/decode_ncu_calls.py \
+    fp8_default,fp8_fused,fp8_3s,fp8_3s_fused,bf16_default 16 8192 > "$OUT/ncu_fused_run.log" 2>&1
+  echo "ncu rc=$?"
+  ncu -i "$OUT/ncu_fused.ncu-rep" --page details > "$OUT/ncu_fused_details.txt" 2>&1
+  grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Registers Per|Achieved Occ" "$OUT/ncu_fused_details.txt" | head -60
+fi
+timeout -k 5 150 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py \
+  -k "fused or pdl or split_kv or stacked_per_program" > "$OUT/fused_tests.log" 2>&1
+echo "fused tests rc=$?"; tail -3 "$OUT/fused_tests.log"
 fi
 if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
