@@ -53,6 +53,17 @@ def snapshot(pool, slot: int) -> tuple[bytes, bytes]:
     return data, scales
 
 
+def write_pages(pool, keys, gen: torch.Generator) -> dict:
+    """Allocate, fill with random bytes and scales, commit and release a page per key; returns
+    each key's exact bytes (snapshot)."""
+    slots = pool.allocate(len(keys))
+    fill_random(pool, slots, gen)
+    expected = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
+    pool.commit(keys, slots)
+    pool.release(slots)
+    return expected
+
+
 def poison(pool, slots) -> None:
     """Fill device slots with 0xFF bytes (NaN in every float dtype) before a copy lands."""
     dev, fmt = pool.device_tier, pool.fmt

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier import Namespace, PageFormat, PageState, PoolExhausted, TieredPool, dequantize, key_id, prefix_keys, quantize
-from tests.conftest import DTYPE_SCALES, fill_random, poison, small_format, snapshot
+from tests.conftest import DTYPE_SCALES, fill_random, poison, small_format, snapshot, write_pages
 
 
 def make_pool(registry, fmt=None, **kw):
@@ -16,16 +16,6 @@ def make_pool(registry, fmt=None, **kw):
 
 def keys_for(pool, n, seed=0):
     return prefix_keys(list(range(seed, seed + n * pool.fmt.page_size)), pool.fmt.page_size, pool.namespace)
-
-
-def write_pages(pool, keys, gen):
-    """Allocate, fill, commit and release pages for keys; returns the exact bytes per key."""
-    slots = pool.allocate(len(keys))
-    fill_random(pool, slots, gen)
-    expected = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
-    pool.commit(keys, slots)
-    pool.release(slots)
-    return expected
 
 
 def load_and_check(pool, keys, expected):

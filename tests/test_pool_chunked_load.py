@@ -17,6 +17,7 @@ from kvtier.transfer import TorchEngine
 from kvtier.transfer.engine import layer_runs
 from tests.conftest import fill_random, poison, small_format, snapshot
 from tests.deferred_engine import DeferredEngine
+from tests.failing_reload import FailingTorchEngine
 
 LIVENESS_S = 30
 
@@ -248,43 +249,18 @@ def test_a_bad_key_in_a_later_chunk_raises_after_the_first_chunk_and_leaves_the_
     pool.close()
 
 
-class FailingReloadEngine(TorchEngine):
-    """The torch twin whose `fail_at`-th reload call (counting whole and per-layer reloads from 1)
-    raises before it copies anything."""
-
-    fail_at = 0
-
-    def __init__(self, device_tier, host_tier) -> None:
-        super().__init__(device_tier, host_tier)
-        self.calls = 0
-
-    def _count(self) -> None:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected: the reload could not start")
-
-    def reload(self, host_slots, device_slots, ready=None):
-        self._count()
-        return super().reload(host_slots, device_slots, ready)
-
-    def reload_layers(self, host_slots, device_slots, layers, ready=None):
-        self._count()
-        return super().reload_layers(host_slots, device_slots, layers, ready)
-
-
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("fail_at", [1, 2])
-def test_a_reload_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen, monkeypatch, ordered, fail_at):
+def test_a_reload_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen, ordered, fail_at):
     """The engine raises as a chunk's copy is started (the first chunk's, or the second's after
     the first was queued): the load raises that error, no device slot stays taken or held, no host
     page stays held, and the same load then lands every page bit-exact."""
-    monkeypatch.setattr(FailingReloadEngine, "fail_at", fail_at)
-    pool = _pool(registry, FailingReloadEngine, ordered=ordered)
+    pool = _pool(registry, FailingTorchEngine, ordered=ordered)
     keys = prefix_keys(np.arange(170), 1, pool.namespace)
     expected = _write(pool, keys, gen)
     pool.evict(keys=keys[10:])  # 10 stay on the device, 160 come from the host
     before = pool.stats()["states"]
-    pool.engine.calls = 0
+    pool.engine.arm(fail_at)
     with pytest.raises(RuntimeError, match="injected"):
         pool.load(keys)
     assert pool.engine.calls == fail_at
@@ -301,18 +277,17 @@ def test_a_reload_that_fails_to_start_leaves_both_tiers_as_they_were(registry, g
     pool.close()
 
 
-def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen, monkeypatch):
+def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen):
     """The general path (a load into slots from `allocate`): the engine raises as the reload is
     started. The load raises that error; the given slots are the caller's again, unkeyed and
     held as they came; no host page stays held; the same load then lands every page bit-exact."""
-    monkeypatch.setattr(FailingReloadEngine, "fail_at", 1)
-    pool = _pool(registry, FailingReloadEngine, ordered=False)
+    pool = _pool(registry, FailingTorchEngine, ordered=False)
     keys = prefix_keys(np.arange(40), 1, pool.namespace)
     expected = _write(pool, keys, gen)
     pool.evict(keys=keys[5:])  # 5 are copied on the device, 35 come from the host
     targets = pool.allocate(40)
     before = pool.stats()["states"]
-    pool.engine.calls = 0
+    pool.engine.arm(1)
     with pytest.raises(RuntimeError, match="injected"):
         pool.load(keys, targets)
     assert pool.engine.calls == 1

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier import PoolExhausted, TieredPool, prefix_keys
 from kvtier.pool import BreakerState, CircuitBreaker
-from tests.conftest import fill_random, poison, small_format, snapshot
+from tests.conftest import fill_random, poison, small_format, snapshot, write_pages
 
 pytest.importorskip("nixl_cu13")
 
@@ -23,15 +23,6 @@ def make_pool(tmp_path, **kw):
     kw.setdefault("host_pages", 16)
     kw.setdefault("model", "m")
     return TieredPool(small_format(), registry=CollectorRegistry(), remote=str(tmp_path), **kw)
-
-
-def write(pool, keys, gen) -> dict:
-    slots = pool.allocate(len(keys))
-    fill_random(pool, slots, gen)
-    truth = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
-    pool.commit(keys, slots)
-    pool.release(slots)
-    return truth
 
 
 def read_back(pool, keys) -> dict:
@@ -53,7 +44,7 @@ def test_a_failing_remote_degrades_the_pool_to_a_cache(tmp_path, gen, caplog, po
     stored = prefix_keys(np.arange(8 * 16), 8, pool.namespace)
     stored_truth = {}
     for i in range(0, 16, 4):
-        stored_truth.update(write(pool, stored[i : i + 4], gen))
+        stored_truth.update(write_pages(pool, stored[i : i + 4], gen))
     assert pool.flush() == 0  # healthy: all 16 are durable
     pool.evict(tier="device")
     pool.evict(tier="host")
@@ -63,7 +54,7 @@ def test_a_failing_remote_degrades_the_pool_to_a_cache(tmp_path, gen, caplog, po
     truth = {}
     for batch in range(150):
         keys = prefix_keys(np.arange(10_000 + 32 * batch, 10_000 + 32 * batch + 32), 8, pool.namespace)
-        truth.update(write(pool, keys, gen))  # must never raise PoolExhausted
+        truth.update(write_pages(pool, keys, gen))  # must never raise PoolExhausted
         if batch % 25 == 0:
             got = read_back(pool, stored[batch % 16 : batch % 16 + 2])
             assert all(got[k] == stored_truth[k] for k in got), "a page already in the remote tier changed"
@@ -81,7 +72,7 @@ def test_a_failing_remote_degrades_the_pool_to_a_cache(tmp_path, gen, caplog, po
         assert read_back(pool, stored[i : i + 8]) == {k: stored_truth[k] for k in stored[i : i + 8]}
     pool.remote.faults.disarm()
     after = prefix_keys(np.arange(90_000, 90_000 + 32), 8, pool.namespace)
-    write(pool, after, gen)
+    write_pages(pool, after, gen)
     assert pool.flush() == 0  # the breaker probes, closes, and what is dirty is written
     assert pool.stats()["remote_breaker"] == "closed"
     pool.close()
@@ -92,7 +83,7 @@ def test_dirty_pages_are_never_dropped_while_the_remote_is_healthy(tmp_path, gen
     truth = {}
     for batch in range(40):
         keys = prefix_keys(np.arange(8 * 4 * batch, 8 * 4 * (batch + 1)), 8, pool.namespace)
-        truth.update(write(pool, keys, gen))
+        truth.update(write_pages(pool, keys, gen))
     assert pool.stats()["dropped"] == {}
     assert pool.flush() == 0
     keys = list(truth)
@@ -107,7 +98,7 @@ def test_a_transient_write_failure_is_retried_and_nothing_is_lost(tmp_path, gen)
     keys = prefix_keys(np.arange(8 * 32), 8, pool.namespace)
     truth = {}
     for i in range(0, 32, 4):
-        truth.update(write(pool, keys[i : i + 4], gen))
+        truth.update(write_pages(pool, keys[i : i + 4], gen))
     assert pool.flush() == 0
     s = pool.stats()
     assert s["remote_failures"]["write"] >= 1 and s["remote_breaker_opened"] == 1
@@ -123,7 +114,7 @@ def test_a_transient_write_failure_is_retried_and_nothing_is_lost(tmp_path, gen)
 def test_close_with_a_hung_remote_keeps_its_timeout_and_reports_what_was_lost(tmp_path, gen):
     pool = make_pool(tmp_path, write_policy="write_back", close_timeout_s=2.0)
     keys = prefix_keys(np.arange(8 * 8), 8, pool.namespace)
-    write(pool, keys, gen)
+    write_pages(pool, keys, gen)
     pool.remote.faults.arm("timeout", count=10**6, op="WRITE")
     start = time.monotonic()
     lost = pool.close()
@@ -159,9 +150,9 @@ def test_match_never_waits_behind_a_slow_remote_write(tmp_path, gen):
 
     pool.remote.faults.before_publish = stall
     keys = prefix_keys(np.arange(8 * 8), 8, pool.namespace)
-    truth = write(pool, keys[:4], gen)
+    truth = write_pages(pool, keys[:4], gen)
     assert entered.wait(60), "the backup never reached the store"
-    more = write(pool, keys[4:], gen)
+    more = write_pages(pool, keys[4:], gen)
     m = pool.match(keys)
     assert m.total == 8
     assert read_back(pool, keys) == {**truth, **more}
@@ -200,7 +191,7 @@ def test_breaker_backs_off_doubling_with_jitter_and_closes_on_success():
 def test_a_load_the_host_tier_cannot_hold_still_raises_pool_exhausted(tmp_path, gen):
     pool = make_pool(tmp_path, host_pages=4, device_pages=16)
     keys = prefix_keys(np.arange(8 * 8), 8, pool.namespace)
-    write(pool, keys, gen)
+    write_pages(pool, keys, gen)
     pool.flush()
     pool.evict(tier="device")
     pool.evict(tier="host")
@@ -278,12 +269,12 @@ def test_flush_after_an_outage_backs_up_the_host_before_copying_down(tmp_path, g
     pool.remote.faults.arm("error_after_io", count=10**6, op="WRITE")
     for batch in range(60):
         keys = prefix_keys(np.arange(10_000 + 32 * batch, 10_000 + 32 * batch + 32), 8, pool.namespace)
-        write(pool, keys, gen)
+        write_pages(pool, keys, gen)
     pool.remote.faults.disarm()
     s = pool.stats()
     assert s["remote_breaker"] != "closed" and s["states"]["host"]["dirty"] > 0
     after = prefix_keys(np.arange(90_000, 90_000 + 32), 8, pool.namespace)
-    truth = write(pool, after, gen)
+    truth = write_pages(pool, after, gen)
     dropped = dict(pool.stats()["dropped"])
     assert pool.flush() == 0
     s = pool.stats()
@@ -321,7 +312,7 @@ def figures(root, batches: int = 150) -> dict:
                 stored = prefix_keys(np.arange(8 * 16), 8, pool.namespace)
                 stored_truth = {}
                 for i in range(0, 16, 4):
-                    stored_truth.update(write(pool, stored[i : i + 4], gen))
+                    stored_truth.update(write_pages(pool, stored[i : i + 4], gen))
                 pool.flush()
                 pool.evict(tier="device")
                 pool.evict(tier="host")
@@ -330,7 +321,7 @@ def figures(root, batches: int = 150) -> dict:
                 for batch in range(batches):
                     keys = prefix_keys(np.arange(10_000 + 32 * batch, 10_000 + 32 * batch + 32), 8, pool.namespace)
                     try:
-                        truth.update(write(pool, keys, gen))
+                        truth.update(write_pages(pool, keys, gen))
                         cached = [k for k in keys if pool.match([k]).total]
                         got = read_back(pool, cached) if cached else {}
                     except Exception:  # counted: the figure must be 0
@@ -347,7 +338,7 @@ def figures(root, batches: int = 150) -> dict:
                 totals["write_failures"] += s["remote_failures"].get("write", 0)
                 totals["breaker_opened"] += s["remote_breaker_opened"]
                 pool.remote.faults.disarm()
-                write(pool, prefix_keys(np.arange(90_000, 90_032), 8, pool.namespace), gen)
+                write_pages(pool, prefix_keys(np.arange(90_000, 90_032), 8, pool.namespace), gen)
                 totals["recovered"] += pool.flush() == 0 and pool.stats()["remote_breaker"] == "closed"
                 pool.close()
                 totals["runs"] += 1

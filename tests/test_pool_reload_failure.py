@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import traceback
 
 import numpy as np
 import pytest
@@ -22,47 +21,11 @@ import pytest
 from kvtier import TieredPool, prefix_keys
 from kvtier.index import PageState
 from kvtier.index.keys import key_ids
-from kvtier.transfer import TorchEngine
-from tests.conftest import fill_random, poison, small_format, snapshot
-from tests.deferred_engine import DeferredEngine
+from tests.conftest import poison, small_format, snapshot, write_pages
+from tests.failing_reload import FailingDeferredEngine, FailingTorchEngine
 
 S = PageState
 LIVENESS_S = 30
-
-
-class _FailingReload:
-    """An engine whose `fail_at`-th reload since `arm` (whole and per-layer reloads, from 1)
-    raises before it copies anything; `general` records, per reload call since `arm`, whether
-    the pool's general load path (`_submit_load`) made it."""
-
-    def __init__(self, device_tier, host_tier) -> None:
-        super().__init__(device_tier, host_tier)
-        self.arm(0)
-
-    def arm(self, fail_at: int) -> None:
-        self.fail_at, self.calls, self.general = fail_at, 0, []
-
-    def _count(self) -> None:
-        self.calls += 1
-        self.general.append(any(frame.name == "_submit_load" for frame in traceback.extract_stack()))
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected: the reload could not start")
-
-    def reload(self, host_slots, device_slots, ready=None):
-        self._count()
-        return super().reload(host_slots, device_slots, ready)
-
-    def reload_layers(self, host_slots, device_slots, layers, ready=None):
-        self._count()
-        return super().reload_layers(host_slots, device_slots, layers, ready)
-
-
-class FailingTorchEngine(_FailingReload, TorchEngine):
-    pass
-
-
-class FailingDeferredEngine(_FailingReload, DeferredEngine):
-    pass
 
 
 def _slots(index) -> dict[int, tuple]:
@@ -79,16 +42,6 @@ def _changed(before: dict, after: dict) -> dict[int, tuple]:
     return {slot: (before[slot], after[slot]) for slot in before if before[slot] != after[slot]}
 
 
-def _write(pool, keys, gen) -> dict:
-    """Commit a page per key (random bytes and scales), unheld; returns each key's exact bytes."""
-    slots = pool.allocate(len(keys))
-    fill_random(pool, slots, gen)
-    expected = {k: snapshot(pool, s) for k, s in zip(keys, slots)}
-    pool.commit(keys, slots)
-    pool.release(slots)
-    return expected
-
-
 def _nothing_left(pool) -> None:
     """No copy or fetch in flight, no reload marked as landing, the indexes consistent."""
     assert not pool._inflight and not pool._dev_landing and not pool._fetching
@@ -103,6 +56,24 @@ def _poison_all_but(pool, keep) -> None:
     land, they land over poison."""
     keep = set(keep)
     poison(pool, [s for s in range(pool._dev.capacity) if s not in keep])
+
+
+def _retry_lands_bit_exact(pool, engine, keys, expected, dev_slots, landing=contextlib.nullcontext) -> None:
+    """With every device slot but the load's resident pages (`dev_slots`) poisoned, the same load,
+    unarmed, takes the general path again and lands every page bit-exact; the new pages let go,
+    nothing is left held. `landing(engine)` wraps the load (a thread landing deferred copies)."""
+    _poison_all_but(pool, dev_slots)
+    engine.arm(0)
+    with landing(engine):
+        handle = pool.load(keys)
+        handle.synchronize()
+    assert engine.general == [True]
+    assert sorted(handle.slots[: len(dev_slots)]) == sorted(dev_slots)
+    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
+    pool.release(handle.slots)
+    pool.match(keys[:1])  # a call that reaps
+    assert pool._dev.held == 0
+    _nothing_left(pool)
 
 
 @contextlib.contextmanager
@@ -140,7 +111,7 @@ def test_a_load_from_the_remote_tier_whose_reload_fails_gives_everything_back(tm
     engine = pool.engine
     keys = prefix_keys(np.arange(25), 1, pool.namespace)
     on_dev, on_host, remote_only = keys[:5], keys[5:15], keys[15:]
-    expected = _write(pool, keys, gen)
+    expected = write_pages(pool, keys, gen)
     assert pool.flush() == 0  # every page durable in the remote tier
     pool.evict(keys=on_host + remote_only)
     pool.evict(tier="host", keys=remote_only)
@@ -169,16 +140,7 @@ def test_a_load_from_the_remote_tier_whose_reload_fails_gives_everything_back(tm
     _nothing_left(pool)
 
     pool.evict(tier="host", keys=remote_only)  # the retry reads them from the remote tier again
-    _poison_all_but(pool, dev_slots)
-    engine.arm(0)
-    handle = pool.load(keys)
-    handle.synchronize()
-    assert engine.general == [True]
-    assert sorted(handle.slots[:5]) == sorted(dev_slots)
-    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
-    pool.release(handle.slots)
-    assert pool._dev.held == 0
-    _nothing_left(pool)
+    _retry_lands_bit_exact(pool, engine, keys, expected, dev_slots)
     pool.close()
 
 
@@ -196,9 +158,9 @@ def test_a_load_that_waits_for_device_room_whose_reload_fails_gives_everything_b
     keys = prefix_keys(np.arange(25), 1, pool.namespace)
     filler = prefix_keys(np.arange(1000, 1035), 1, pool.namespace)
     with _landing(engine):
-        expected = _write(pool, keys, gen)
+        expected = write_pages(pool, keys, gen)
         pool.evict(keys=keys[5:])  # copied down, then freed on the device
-        _write(pool, filler, gen)
+        write_pages(pool, filler, gen)
     pool.match(keys[:1])  # a call that reaps
     m = pool.match(keys)
     assert (m.device, m.host) == (5, 20)
@@ -230,20 +192,10 @@ def test_a_load_that_waits_for_device_room_whose_reload_fails_gives_everything_b
     _nothing_left(pool)
 
     with _landing(engine):
-        _write(pool, prefix_keys(np.arange(2000, 2000 + len(pool._dev.free)), 1, pool.namespace), gen)
+        write_pages(pool, prefix_keys(np.arange(2000, 2000 + len(pool._dev.free)), 1, pool.namespace), gen)
     pool.match(keys[:1])
     assert len(pool._dev.free) == 0
-    _poison_all_but(pool, dev_slots)  # the dirty pages whose slots the load will take
-    engine.arm(0)
-    with _landing(engine):
-        handle = pool.load(keys)
-        handle.synchronize()
-    assert engine.general == [True]
-    assert sorted(handle.slots[:5]) == sorted(dev_slots)
-    assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, handle.slots))
-    pool.release(handle.slots)
-    pool.match(keys[:1])
-    assert pool._dev.held == 0
-    _nothing_left(pool)
+    # poisoned: the dirty pages whose slots the load will take
+    _retry_lands_bit_exact(pool, engine, keys, expected, dev_slots, _landing)
     with _landing(engine):  # close copies the dirty pages down
         pool.close()

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kvtier import PoolExhausted, prefix_keys
-from tests.test_pool_faults import make_pool, read_back, write
+from tests.conftest import write_pages
+from tests.test_pool_faults import make_pool, read_back
 
 pytest.importorskip("nixl_cu13")
 
@@ -45,7 +46,7 @@ def test_the_write_back_breaker_closes_by_itself_after_the_store_heals(tmp_path,
     deadline = time.monotonic() + 60
     while closed_at is None and time.monotonic() < deadline:
         keys = prefix_keys(np.arange(32 * batch, 32 * batch + 32), 8, pool.namespace)  # 4 pages
-        truth.update(write(pool, keys, gen))
+        truth.update(write_pages(pool, keys, gen))
         batch += 1
         state = pool.stats()["remote_breaker"]
         if opened_at is None and state != "closed":
@@ -58,7 +59,7 @@ def test_the_write_back_breaker_closes_by_itself_after_the_store_heals(tmp_path,
     dropped_before = pool.stats()["dropped"].get("remote_unavailable", 0)
     later = prefix_keys(np.arange(900_000, 900_000 + 32 * 40), 8, pool.namespace)
     for i in range(0, len(later), 4):
-        truth.update(write(pool, later[i : i + 4], gen))
+        truth.update(write_pages(pool, later[i : i + 4], gen))
     assert pool.stats()["dropped"].get("remote_unavailable", 0) == dropped_before  # healthy: none
     assert pool.flush() == 0
     assert read_back(pool, later[-8:]) == {k: truth[k] for k in later[-8:]}
@@ -75,7 +76,7 @@ def test_a_write_held_inside_the_store_does_not_hold_the_engine(tmp_path, gen, p
     early = prefix_keys(np.arange(0, 8 * 16), 8, pool.namespace)  # 16 pages
     truth: dict = {}
     for i in range(0, 16, 4):
-        truth.update(write(pool, early[i : i + 4], gen))
+        truth.update(write_pages(pool, early[i : i + 4], gen))
     assert pool.flush() == 0
     held, release = hold_writes(pool)
     try:
@@ -83,7 +84,7 @@ def test_a_write_held_inside_the_store_does_not_hold_the_engine(tmp_path, gen, p
         for batch in range(40):
             keys = prefix_keys(np.arange(1000 + 32 * batch, 1032 + 32 * batch), 8, pool.namespace)
             start = time.monotonic()
-            write(pool, keys, gen)
+            write_pages(pool, keys, gen)
             pool.match(keys + early)
             longest = max(longest, time.monotonic() - start)
         assert held.is_set(), "no write reached the store"
@@ -110,28 +111,28 @@ def test_a_held_write_that_holds_every_host_page_does_not_hold_the_engine(tmp_pa
     early = prefix_keys(np.arange(0, 8 * 8), 8, pool.namespace)  # 8 pages, durable before the fault
     truth: dict = {}
     for i in range(0, 8, 4):
-        truth.update(write(pool, early[i : i + 4], gen))
+        truth.update(write_pages(pool, early[i : i + 4], gen))
     assert pool.flush() == 0
     pool.remote.faults.arm("error", count=1, op="WRITE")
     release = threading.Event()  # set in `finally` even when the hold below was never installed
     try:
         # Fill the host tier with 16 pages not yet durable while the breaker waits out its back-off.
         first = prefix_keys(np.arange(5000, 5032), 8, pool.namespace)
-        write(pool, first, gen)
+        write_pages(pool, first, gen)
         deadline = time.monotonic() + 10
         while pool.stats()["remote_breaker"] == "closed" and time.monotonic() < deadline:
             time.sleep(0.005)
         assert pool.stats()["remote_breaker"] == "open", "the failed write did not open the breaker"
         held, release = hold_writes(pool, release)
         for batch in range(1, 4):
-            write(pool, prefix_keys(np.arange(5000 + 32 * batch, 5032 + 32 * batch), 8, pool.namespace), gen)
+            write_pages(pool, prefix_keys(np.arange(5000 + 32 * batch, 5032 + 32 * batch), 8, pool.namespace), gen)
         assert held.wait(10), "the probe never reached the store"
         assert pool.stats()["states"]["host"]["offloading"] == 16, pool.stats()["states"]
         longest = 0.0
         for batch in range(10, 30):
             keys = prefix_keys(np.arange(5000 + 32 * batch, 5032 + 32 * batch), 8, pool.namespace)
             start = time.monotonic()
-            write(pool, keys, gen)
+            write_pages(pool, keys, gen)
             longest = max(longest, time.monotonic() - start)
         assert longest < 10, f"an engine call waited {longest:.1f} s behind a held write"
         assert pool.stats()["dropped"].get("remote_unavailable", 0) > 0
@@ -172,7 +173,7 @@ def test_backups_run_on_one_put_thread_that_ends_with_the_pool(tmp_path, gen):
     truth: dict = {}
     keys = prefix_keys(np.arange(0, 8 * 40), 8, pool.namespace)  # 40 pages, 10 commits
     for i in range(0, 40, 4):
-        truth.update(write(pool, keys[i : i + 4], gen))
+        truth.update(write_pages(pool, keys[i : i + 4], gen))
         assert pool.flush() == 0  # each commit's backup done before the next: one batch each
     named = [t for t in threading.enumerate() if t.name == "kvtier-remote-put"]
     assert len(seen) == 1 and len(named) == 1 and named[0].ident in seen

@@ -22,7 +22,8 @@ pytest.importorskip("nixl_cu13")
 from kvtier import TieredPool, prefix_keys  # noqa: E402
 from kvtier.tiers.remote import RemoteStore  # noqa: E402
 from tests.conftest import small_format  # noqa: E402
-from tests.test_pool_faults import read_back, write  # noqa: E402
+from tests.conftest import write_pages  # noqa: E402
+from tests.test_pool_faults import read_back  # noqa: E402
 from tests.test_remote_store import PAGE, poisoned, random_pages, same  # noqa: E402
 
 TIMEOUT_S = 1.0
@@ -127,7 +128,7 @@ def test_pool_calls_return_on_a_frozen_disk(frozen_fs, gen, policy):
     stored = prefix_keys(np.arange(8 * 16), 8, pool.namespace)
     truth: dict = {}
     for i in range(0, 16, 4):
-        truth.update(write(pool, stored[i : i + 4], gen))
+        truth.update(write_pages(pool, stored[i : i + 4], gen))
     assert pool.flush() == 0
     pool.evict(tier="device")
     pool.evict(tier="host")
@@ -136,7 +137,7 @@ def test_pool_calls_return_on_a_frozen_disk(frozen_fs, gen, policy):
     try:
         for batch in range(12):
             keys = prefix_keys(np.arange(10_000 + 32 * batch, 10_032 + 32 * batch), 8, pool.namespace)
-            _, took = timed(write, pool, keys, gen)
+            _, took = timed(write_pages, pool, keys, gen)
             longest["allocate+commit"] = max(longest["allocate+commit"], took)
             _, took = timed(pool.match, stored[:8])  # pages on neither device nor host
             longest["match"] = max(longest["match"], took)
