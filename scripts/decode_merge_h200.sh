@@ -15,6 +15,8 @@
 #            alternating, then the pool's GPU tests (bulk.tgz)
 #   latency  benchmarks/pool_latency.py --pages 16 (32 layers, fp8) for build/oldtree and this tree,
 #            alternating (latency.tgz): the host time of 16-page loads and commits
+#   REQUIRE=H200: run nothing (rc 3) unless the card's name has it; FUSED_EXTRAS=0: the fused part's
+#   probe alone (no ncu, no tests)
 #   ROUNDS (default 2): rounds of the alternating parts; RELOAD_BLOCKS (default "default 33"): the
 #   reload part's block caps; RELOAD_TREES="old new": the reload part for build/oldtree (OLD) too
 #     OUT=out PARTS=decode bash scripts/decode_merge_h200.sh; OUT=out PARTS="reload bulk" bash scripts/decode_merge_h200.sh
@@ -22,6 +24,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/decode_merge}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# REQUIRE=H200: stop at once (rc 3) on any other card, so a call that lands on an H100 costs only its start
+if [ -n "${REQUIRE:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "$REQUIRE"; then
+  echo "not a $REQUIRE: nothing run"; exit 3
+fi
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"
 git rev-parse --short HEAD 2>/dev/null
 PARTS=${PARTS:-decode}
@@ -78,7 +84,7 @@ fi
 if has fused; then
 timeout -k 5 280 env OUT="$OUT" ROUNDS="${ROUNDS:-2}" PYTHONPATH=. python3 scripts/decode_regs_probe.py --fused > "$OUT/fused.log" 2>&1
 echo "fused probe rc=$?"; grep -h " us \|numerics\|copy" "$OUT/fused.log"
-if command -v ncu > /dev/null; then
+if [ "${FUSED_EXTRAS:-1}" = 1 ] && command -v ncu > /dev/null; then
   timeout -k 5 100 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section LaunchStats \
     --section Occupancy -o "$OUT/ncu_fused" -f env PYTHONPATH=. python3 scripts/decode_ncu_calls.py \
     fp8_default,fp8_fused,fp8_3s,fp8_3s_fused,bf16_default 16 8192 > "$OUT/ncu_fused_run.log" 2>&1
@@ -86,9 +92,11 @@ if command -v ncu > /dev/null; then
   ncu -i "$OUT/ncu_fused.ncu-rep" --page details > "$OUT/ncu_fused_details.txt" 2>&1
   grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Registers Per|Achieved Occ" "$OUT/ncu_fused_details.txt" | head -60
 fi
+if [ "${FUSED_EXTRAS:-1}" = 1 ]; then
 timeout -k 5 150 env PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py \
   -k "fused or pdl or split_kv or stacked_per_program" > "$OUT/fused_tests.log" 2>&1
 echo "fused tests rc=$?"; tail -3 "$OUT/fused_tests.log"
+fi
 fi
 if has reload; then
 R="$OUT/reload"; mkdir -p "$R"
@@ -107,8 +115,8 @@ done
 tar -C "$OUT" -czf "$OUT/reload.tgz" reload && rm -rf "$R"
 fi
 if has latency; then
-alternate latency 90 pool_latency.py --pages 16 --repeats 20 --formats "32L fp8 (1 MiB)"
-grep -H "^ *32L" "$OUT"/latency_*.log
+alternate latency 90 pool_latency.py --pages 16 --repeats 20 --formats "${LATENCY_FORMATS:-32L fp8 (1 MiB)}"
+grep -H "^ *[0-9]*L" "$OUT"/latency_*.log
 tar -C "$OUT" -czf "$OUT/latency.tgz" $(cd "$OUT" && ls latency_*) && rm -f "$OUT"/latency_*.json "$OUT"/latency_*.log
 fi
 # bulk: benchmarks/pool_bulk.py (commit + flush, then load, of whole tiers) for the tree in
