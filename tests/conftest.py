@@ -89,6 +89,25 @@ def cpu_lane(num_layers: int):
     return StreamLane(None, num_layers, flags, flags.data_ptr(), counters, pinned, None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def host_index_paths():
+    """The index's C paths (kvtier.index.native) loaded before any test runs, as a pool's first
+    call loads them where they were built before: every test then sees one path throughout, not
+    the Python twins until a background build ends. Tests of the twins turn C off themselves
+    (`python_index_paths`)."""
+    from kvtier.index import native
+
+    native.start(wait=True)
+
+
+def python_index_paths(monkeypatch) -> None:
+    """Run the index's Python twins (numpy and one-at-a-time paths) instead of its C paths for
+    the rest of a test."""
+    from kvtier.index import native
+
+    monkeypatch.setattr(native, "_module", None)
+
+
 @pytest.fixture
 def registry():
     return CollectorRegistry()

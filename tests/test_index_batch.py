@@ -24,7 +24,7 @@ import kvtier.pool.loading as loading_mod
 from kvtier import TieredPool, key_id, prefix_keys
 from kvtier.index.key_table import DictKeyTable, KeyTable
 from kvtier.index.slot_list import SlotList
-from tests.conftest import fill_random, small_format, snapshot
+from tests.conftest import fill_random, python_index_paths, small_format, snapshot
 from tests.test_pool_control_plane import (
     test_threads_on_a_full_pool_with_copies_in_flight_never_mix_pages as _threads_stress,
 )
@@ -45,6 +45,13 @@ def _numpy_everywhere(monkeypatch) -> None:
 @pytest.fixture
 def numpy_always(monkeypatch):
     _numpy_everywhere(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def python_paths(monkeypatch):
+    """This file tests the index's Python twins (numpy and one-at-a-time paths);
+    test_index_native.py tests the C paths against them."""
+    python_index_paths(monkeypatch)
 
 
 # --- key ids -------------------------------------------------------------------------------

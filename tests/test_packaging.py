@@ -54,7 +54,7 @@ def test_checkout_reads_the_sources_at_the_repository_root():
 def test_wheel_carries_sources_types_license_and_every_module(wheel):
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
-        for cu in sorted((ROOT / "native").glob("*.cu")):
+        for cu in sorted((ROOT / "native").glob("*.cu")) + sorted((ROOT / "native").glob("*.c")):
             assert whl.read(f"kvtier/native/{cu.name}") == cu.read_bytes()
         prebuilt = sorted((ROOT / "native" / "prebuilt").glob("*.cubin.z"))
         assert prebuilt, "no prebuilt cubins in native/prebuilt"

@@ -10,6 +10,10 @@ process; ids themselves are keyed BLAKE2b, so equal ids mean equal keys.
 
 A dict would cost about 120 bytes per key (a 16-byte bytes object and its entry); this costs
 16 (id) + 8 (two buckets) + 8 (bucket and home of the slot). It must never know page states.
+
+Where kvtier.index.native has loaded its C library, lookups, binds and unbinds run there, on
+the same buffers with the same hash and probing, so a table's state is the same whichever path
+changed it (the Python paths below are its twins; the tests compare the two).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from kvtier.index import native
 from kvtier.index.keys import KEY_ID_BYTES
 
 _EMPTY = -1
@@ -56,12 +61,25 @@ class KeyTable:
         self._np_ids = np.frombuffer(self._ids, dtype=np.uint64).reshape(capacity, 2)
         self._np_bucket_of = np.frombuffer(self._bucket_of, dtype=np.int32)
         self._np_home = np.frombuffer(self._home, dtype=np.int32)
+        self._c = None  # the C probes of these buffers, once kvtier.index.native is loaded
+
+    def _native(self):
+        """The C probes of this table's buffers, or None while the C library is not loaded."""
+        c = self._c
+        if c is None:
+            lib = native.module()
+            if lib is not None:
+                c = self._c = lib.Table(self._buckets, self._ids, self._bucket_of, self._home, self._mask)
+        return c
 
     def __len__(self) -> int:
         return self._len
 
     def get(self, kid: bytes) -> int:
         """The slot holding `kid`, or -1."""
+        c = self._c or self._native()
+        if c is not None:
+            return c.get((kid,))[0]
         buckets, ids, mask = self._buckets, self._ids, self._mask
         b = hash(kid) & mask
         while True:
@@ -75,6 +93,9 @@ class KeyTable:
 
     def get_many(self, kids: list[bytes]) -> list[int]:
         """`get` of each id, in order: the same probes, every id's step at once in numpy."""
+        c = self._c or self._native()
+        if c is not None:
+            return c.get(kids if type(kids) in (list, tuple) else list(kids))
         if len(kids) < MANY:
             return self._get_each_inline(kids)
         return self.get_many_array(kids).tolist()
@@ -82,6 +103,11 @@ class KeyTable:
     def get_many_array(self, kids: list[bytes]) -> np.ndarray:
         """`get_many` as an int64 array (in numpy from MANY ids)."""
         n = len(kids)
+        c = self._c or self._native()
+        if c is not None:
+            out = np.empty(n, dtype=np.int64)
+            c.get(kids if type(kids) in (list, tuple) else list(kids), out)
+            return out
         joined = b"".join(kids)
         if n < MANY or len(joined) != _W * n or not self.capacity:
             return np.array(self._get_each_inline(kids), dtype=np.int64)
@@ -148,6 +174,9 @@ class KeyTable:
     def leading(self, kids) -> list[int]:
         """The slots of the leading ids the table holds (up to the first miss), the probe loop
         inline: a caller reads no further than the first miss, and pays no call per id."""
+        c = self._c or self._native()
+        if c is not None:
+            return c.get(kids if type(kids) in (list, tuple) else list(kids), None, True)
         buckets, ids, mask = self._buckets, self._ids, self._mask
         startswith = ids.startswith
         out = []
@@ -200,6 +229,17 @@ class KeyTable:
         takes it and the others probe on, so every id sits past only taken buckets, as `bind`
         would leave it. Otherwise one at a time (which raises on the first bad pair)."""
         n = len(kids)
+        c = self._c or self._native()
+        if c is not None:
+            if type(kids) not in (list, tuple):
+                kids = list(kids)
+            if type(slots) not in (list, tuple):
+                slots = list(slots)
+            bound = c.bind(kids, slots)  # the pairs before the first that bind would refuse
+            self._len += bound
+            if bound < n:  # raises on that pair, as the Python path does, or binds the rest
+                self._bind_each_inline(kids[bound:], slots[bound:])
+            return
         if n < BIND_MANY or not self._bind_many_numpy(kids, slots):
             self._bind_each_inline(kids, slots)
 
@@ -304,6 +344,11 @@ class KeyTable:
 
     def unbind(self, slot: int) -> None:
         """Forget the key of `slot` (no-op if it holds none)."""
+        c = self._c or self._native()
+        if c is not None:
+            if c.unbind(slot):
+                self._len -= 1
+            return
         bucket_of = self._bucket_of
         hole = bucket_of[slot]
         if hole == _EMPTY:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.index import native
+
 KEY_SCHEME = 3
 KEY_ID_BYTES = 16
 
@@ -159,6 +161,14 @@ def _fill_new(keys: list, out: list) -> bool:
             or _young_chars + chars >= ID_CACHE_GENERATION_CHARS):
         return False
     ids = list(map(_old.get, new))
+    lib = native.module()
+    if lib is not None and None in ids:  # in C: the same ids (native/host_index.c)
+        if ids.count(None) == len(ids):  # every key new (a commit)
+            ids = lib.ids(new) or ids  # (None only for a key that is not plain and non-empty)
+        else:
+            missing = [j for j, kid in enumerate(ids) if kid is None]
+            for j, kid in zip(missing, lib.ids([new[j] for j in missing]) or ()):
+                ids[j] = kid
     if None in ids:
         bytes_id, str_id = _BYTES_ID.copy, _STR_ID.copy
         for j, kid in enumerate(ids):

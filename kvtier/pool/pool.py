@@ -46,7 +46,7 @@ from prometheus_client import REGISTRY
 from collections.abc import Iterable, Mapping
 
 from kvtier.format import PageFormat
-from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy
+from kvtier.index import Namespace, PageState, TierIndex, WritePolicy, make_policy, native
 from kvtier.index.keys import hold_id_cache, key_ids, plain_distinct, release_id_cache
 from kvtier.index.prefix import leading_slots, walk, walk_slots
 from kvtier.index.slot_list import SlotList
@@ -222,6 +222,7 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
             self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
             self._offloader.start()
         hold_id_cache()
+        native.start()  # the index's C paths: loaded if built before, else built in a thread
 
     # --- engine-facing views -------------------------------------------------------------
     def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -147,6 +147,7 @@ import urllib.request
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from kvtier.errors import SettingError
+from kvtier.index import native
 from kvtier.index.keys import KEY_ID_BYTES, key_ids
 from kvtier.tiers.remote import labels, records
 from kvtier.tiers.remote.buffers import Buffer, PageBuffers, pointer
@@ -355,6 +356,7 @@ class RemoteStore(StoreSteps):
             self._release_resources()
             raise
         self.pipeline_bytes = pipeline_bytes
+        native.start()  # the key ids' C path: loaded if built before, else built in a thread
         self._path = DataPath(
             self._engine, self._medium, self._codec, page_bytes, self.slot_stride, pipeline_bytes,
             checksum_threads,

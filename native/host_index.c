@@ -1,0 +1,449 @@
+/* kvtier's host-side batch paths in C: key ids and the compact key table's probes.
+
+   Built at first use by kvtier.index.native (the system C compiler, Python's headers) and kept
+   on disk; every function here has a Python twin that gives the same results, and the tests run
+   both on the same inputs. Nothing here owns state: a Table wraps the buffers of one
+   kvtier.index.key_table.KeyTable (its buckets, ids, bucket of each slot and home of each slot)
+   and changes them exactly as the Python code would, so the two paths may be mixed on one table.
+
+   ids(keys): BLAKE2b (RFC 7693) with a 16-byte digest and the key's type in the
+   personalization, "kvtier-key-bytes" for bytes and "kvtier-key-str" for str (its UTF-8 bytes,
+   surrogates passed), as kvtier.index.keys.key_id. None when a key is not a non-empty plain str
+   or bytes object: the Python path then names it.
+
+   Table(buckets, ids, bucket_of, home, mask): the probes of KeyTable with Python's hash of each
+   16-byte id (the same SipHash the Python code uses, cached in the bytes object). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvtier's host index assumes a little-endian machine"
+#endif
+
+#define ID_BYTES 16
+#define EMPTY (-1)
+
+/* ---- BLAKE2b, 16-byte digest, no key, with personalization ---- */
+
+static const uint64_t IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+#define G(a, b, c, d, x, y)          \
+    do {                             \
+        a = a + b + (x);             \
+        d = rotr64(d ^ a, 32);       \
+        c = c + d;                   \
+        b = rotr64(b ^ c, 24);       \
+        a = a + b + (y);             \
+        d = rotr64(d ^ a, 16);       \
+        c = c + d;                   \
+        b = rotr64(b ^ c, 63);       \
+    } while (0)
+
+static void compress(uint64_t h[8], const uint8_t block[128], uint64_t counter, int last) {
+    uint64_t m[16], v[16];
+    memcpy(m, block, 128);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = IV[i];
+    }
+    v[12] ^= counter;
+    if (last) v[14] = ~v[14];
+    /* Every round spelled out, so the schedule's indices are constants and m stays in registers. */
+#define ROUND(r)                                                       \
+    do {                                                               \
+        G(v[0], v[4], v[8], v[12], m[SIGMA[r][0]], m[SIGMA[r][1]]);    \
+        G(v[1], v[5], v[9], v[13], m[SIGMA[r][2]], m[SIGMA[r][3]]);    \
+        G(v[2], v[6], v[10], v[14], m[SIGMA[r][4]], m[SIGMA[r][5]]);   \
+        G(v[3], v[7], v[11], v[15], m[SIGMA[r][6]], m[SIGMA[r][7]]);   \
+        G(v[0], v[5], v[10], v[15], m[SIGMA[r][8]], m[SIGMA[r][9]]);   \
+        G(v[1], v[6], v[11], v[12], m[SIGMA[r][10]], m[SIGMA[r][11]]); \
+        G(v[2], v[7], v[8], v[13], m[SIGMA[r][12]], m[SIGMA[r][13]]);  \
+        G(v[3], v[4], v[9], v[14], m[SIGMA[r][14]], m[SIGMA[r][15]]);  \
+    } while (0)
+    ROUND(0); ROUND(1); ROUND(2); ROUND(3); ROUND(4); ROUND(5);
+    ROUND(6); ROUND(7); ROUND(8); ROUND(9); ROUND(10); ROUND(11);
+#undef ROUND
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* The state after the parameter block: digest length 16, no key, fanout 1, depth 1, `person`
+   (zero padded to 16 bytes) in words 6 and 7. */
+static void start_state(uint64_t h[8], const char *person) {
+    uint8_t p[16] = {0};
+    memcpy(p, person, strlen(person));
+    for (int i = 0; i < 8; i++) h[i] = IV[i];
+    h[0] ^= 0x01010000ULL ^ ID_BYTES;
+    uint64_t w;
+    memcpy(&w, p, 8);
+    h[6] ^= w;
+    memcpy(&w, p + 8, 8);
+    h[7] ^= w;
+}
+
+static uint64_t BYTES_STATE[8], STR_STATE[8];
+
+/* The 16-byte id of `len` (> 0) bytes at `data`, from one of the two start states. */
+static void digest(const uint64_t start[8], const uint8_t *data, size_t len, uint8_t out[ID_BYTES]) {
+    uint64_t h[8];
+    memcpy(h, start, sizeof h);
+    uint64_t done = 0;
+    while (len - done > 128) {
+        done += 128;
+        compress(h, data + done - 128, done, 0);
+    }
+    uint8_t last[128] = {0};
+    memcpy(last, data + done, len - done);
+    compress(h, last, (uint64_t)len, 1);
+    memcpy(out, h, ID_BYTES);
+}
+
+/* ids(keys: list | tuple) -> list[bytes] | None */
+static PyObject *ids(PyObject *self, PyObject *keys) {
+    (void)self;
+    PyObject *seq = PySequence_Fast(keys, "keys must be a list or tuple");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (!out) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    uint8_t id[ID_BYTES];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        PyObject *kid;
+        if (PyBytes_CheckExact(key)) {
+            Py_ssize_t len = PyBytes_GET_SIZE(key);
+            if (len == 0) goto not_plain;
+            digest(BYTES_STATE, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)len, id);
+        } else if (PyUnicode_CheckExact(key)) {
+            Py_ssize_t len = PyUnicode_GET_LENGTH(key);
+            if (len == 0) goto not_plain;
+            if (PyUnicode_IS_ASCII(key)) {
+                digest(STR_STATE, (const uint8_t *)PyUnicode_DATA(key), (size_t)len, id);
+            } else {
+                PyObject *utf8 = PyUnicode_AsEncodedString(key, "utf-8", "surrogatepass");
+                if (!utf8) goto fail;
+                digest(STR_STATE, (const uint8_t *)PyBytes_AS_STRING(utf8), (size_t)PyBytes_GET_SIZE(utf8), id);
+                Py_DECREF(utf8);
+            }
+        } else {
+            goto not_plain;
+        }
+        kid = PyBytes_FromStringAndSize((const char *)id, ID_BYTES);
+        if (!kid) goto fail;
+        PyList_SET_ITEM(out, i, kid);
+    }
+    Py_DECREF(seq);
+    return out;
+not_plain:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* ---- the compact key table ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buckets, ids, bucket_of, home; /* int32, uint8 (16 a slot), int32, int32 */
+    int held;
+    uint64_t mask;
+    Py_ssize_t capacity;
+} Table;
+
+static void table_release(Table *t) {
+    if (t->held) {
+        PyBuffer_Release(&t->buckets);
+        PyBuffer_Release(&t->ids);
+        PyBuffer_Release(&t->bucket_of);
+        PyBuffer_Release(&t->home);
+        t->held = 0;
+    }
+}
+
+static void table_dealloc(Table *t) {
+    table_release(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->len % itemsize) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is no whole number of %zd-byte items", what, view->len, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static int table_init(Table *t, PyObject *args, PyObject *kw) {
+    (void)kw;
+    PyObject *b, *i, *bo, *h;
+    unsigned long long mask;
+    if (!PyArg_ParseTuple(args, "OOOOK", &b, &i, &bo, &h, &mask)) return -1;
+    table_release(t);
+    if (writable(b, &t->buckets, 4, "buckets") < 0) return -1;
+    if (writable(i, &t->ids, ID_BYTES, "ids") < 0) goto fail_b;
+    if (writable(bo, &t->bucket_of, 4, "bucket_of") < 0) goto fail_i;
+    if (writable(h, &t->home, 4, "home") < 0) goto fail_bo;
+    t->held = 1;
+    t->mask = mask;
+    t->capacity = t->bucket_of.len / 4;
+    if ((Py_ssize_t)(mask + 1) * 4 != t->buckets.len || t->ids.len != t->capacity * ID_BYTES
+        || t->home.len != t->capacity * 4) {
+        table_release(t);
+        PyErr_SetString(PyExc_ValueError, "Table: buffers of mismatched sizes");
+        return -1;
+    }
+    return 0;
+fail_bo:
+    PyBuffer_Release(&t->bucket_of);
+fail_i:
+    PyBuffer_Release(&t->ids);
+fail_b:
+    PyBuffer_Release(&t->buckets);
+    return -1;
+}
+
+/* The slot holding the 16-byte id `kid` (home bucket `home`), or EMPTY; with `at`, the bucket
+   where the probe stopped (the id's or the first empty one). */
+static inline int32_t probe(Table *t, const char *kid, uint64_t home, uint64_t *at) {
+    const int32_t *buckets = (const int32_t *)t->buckets.buf;
+    const char *ids = (const char *)t->ids.buf;
+    uint64_t b = home;
+    for (;;) {
+        int32_t slot = buckets[b];
+        if (slot == EMPTY || memcmp(ids + (size_t)slot * ID_BYTES, kid, ID_BYTES) == 0) {
+            if (at) *at = b;
+            return slot;
+        }
+        b = (b + 1) & t->mask;
+    }
+}
+
+/* The home bucket of `kid` (Python's hash of it, masked); -1 with an error set, or -2 when it
+   is no 16-byte bytes object. */
+static inline int64_t home_of(Table *t, PyObject *kid) {
+    if (!PyBytes_CheckExact(kid) || PyBytes_GET_SIZE(kid) != ID_BYTES) return -2;
+    Py_hash_t h = PyObject_Hash(kid);
+    if (h == -1 && PyErr_Occurred()) return -1;
+    return (int64_t)((uint64_t)h & t->mask);
+}
+
+static int check_held(Table *t) {
+    if (!t->held) {
+        PyErr_SetString(PyExc_ValueError, "Table: not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+/* get(kids, out=None, leading=False): the slot of each id, or -1 (an id that is no 16-byte
+   bytes object is not in the table). With `out` (a writable int64 buffer of len(kids) items),
+   written there and None returned; else a list. With `leading`, the slots of the ids up to the
+   first miss, as a list. */
+static PyObject *table_get(Table *t, PyObject *args) {
+    PyObject *kids, *outobj = Py_None;
+    int leading = 0;
+    if (!PyArg_ParseTuple(args, "O|Op", &kids, &outobj, &leading)) return NULL;
+    if (check_held(t) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(kids, "ids must be a list or tuple");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer out;
+    int64_t *dst = NULL;
+    PyObject *list = NULL;
+    if (outobj != Py_None) {
+        if (PyObject_GetBuffer(outobj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail_seq;
+        if (out.len != n * 8) {
+            PyBuffer_Release(&out);
+            PyErr_SetString(PyExc_ValueError, "out must hold one int64 per id");
+            goto fail_seq;
+        }
+        dst = (int64_t *)out.buf;
+    } else {
+        list = PyList_New(leading ? 0 : n);
+        if (!list) goto fail_seq;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t home = home_of(t, items[i]);
+        if (home == -1) goto fail;
+        int32_t slot = home == -2 ? EMPTY : probe(t, PyBytes_AS_STRING(items[i]), (uint64_t)home, NULL);
+        if (dst) {
+            dst[i] = slot;
+            continue;
+        }
+        if (leading && slot == EMPTY) break;
+        PyObject *num = PyLong_FromLong(slot);
+        if (!num) goto fail;
+        if (leading) {
+            int rc = PyList_Append(list, num);
+            Py_DECREF(num);
+            if (rc < 0) goto fail;
+        } else {
+            PyList_SET_ITEM(list, i, num);
+        }
+    }
+    Py_DECREF(seq);
+    if (dst) {
+        PyBuffer_Release(&out);
+        Py_RETURN_NONE;
+    }
+    return list;
+fail:
+    if (dst) PyBuffer_Release(&out);
+    Py_XDECREF(list);
+fail_seq:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* bind(kids, slots) -> int: binds each (id, slot) pair in order, as KeyTable.bind would, and
+   stops before the first pair that bind would refuse (a slot out of range or holding a key, an
+   id of another size or already mapped): returns how many pairs it bound. */
+static PyObject *table_bind(Table *t, PyObject *args) {
+    PyObject *kids, *slots;
+    if (!PyArg_ParseTuple(args, "OO", &kids, &slots)) return NULL;
+    if (check_held(t) < 0) return NULL;
+    PyObject *ks = PySequence_Fast(kids, "ids must be a list or tuple");
+    if (!ks) return NULL;
+    PyObject *ss = PySequence_Fast(slots, "slots must be a list or tuple");
+    if (!ss) {
+        Py_DECREF(ks);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ks);
+    if (PySequence_Fast_GET_SIZE(ss) < n) n = PySequence_Fast_GET_SIZE(ss);
+    PyObject **ki = PySequence_Fast_ITEMS(ks), **si = PySequence_Fast_ITEMS(ss);
+    int32_t *buckets = (int32_t *)t->buckets.buf, *bucket_of = (int32_t *)t->bucket_of.buf;
+    int32_t *home_arr = (int32_t *)t->home.buf;
+    char *ids = (char *)t->ids.buf;
+    Py_ssize_t bound = 0;
+    for (; bound < n; bound++) {
+        long slot = PyLong_AsLong(si[bound]);
+        if (slot == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            break; /* KeyTable.bind names it */
+        }
+        if (slot < 0 || slot >= t->capacity || bucket_of[slot] != EMPTY) break;
+        int64_t home = home_of(t, ki[bound]);
+        if (home == -1) goto fail;
+        if (home == -2) break;
+        uint64_t at;
+        const char *kid = PyBytes_AS_STRING(ki[bound]);
+        if (probe(t, kid, (uint64_t)home, &at) != EMPTY) break;
+        buckets[at] = (int32_t)slot;
+        memcpy(ids + (size_t)slot * ID_BYTES, kid, ID_BYTES);
+        bucket_of[slot] = (int32_t)at;
+        home_arr[slot] = (int32_t)home;
+    }
+    Py_DECREF(ks);
+    Py_DECREF(ss);
+    return PyLong_FromSsize_t(bound);
+fail:
+    Py_DECREF(ks);
+    Py_DECREF(ss);
+    return NULL;
+}
+
+/* unbind(slot) -> bool: forgets the key of `slot` with a backward shift, as KeyTable.unbind;
+   whether it held one. */
+static PyObject *table_unbind(Table *t, PyObject *arg) {
+    if (check_held(t) < 0) return NULL;
+    long slot = PyLong_AsLong(arg);
+    if (slot == -1 && PyErr_Occurred()) return NULL;
+    if (slot < 0 || slot >= t->capacity) {
+        PyErr_Format(PyExc_IndexError, "slot %ld out of range", slot);
+        return NULL;
+    }
+    int32_t *buckets = (int32_t *)t->buckets.buf, *bucket_of = (int32_t *)t->bucket_of.buf;
+    const int32_t *home_arr = (const int32_t *)t->home.buf;
+    int32_t hole = bucket_of[slot];
+    if (hole == EMPTY) Py_RETURN_FALSE;
+    bucket_of[slot] = EMPTY;
+    buckets[hole] = EMPTY;
+    uint64_t mask = t->mask, h = (uint64_t)hole, b = (h + 1) & mask;
+    for (;;) {
+        int32_t other = buckets[b];
+        if (other == EMPTY) break;
+        uint64_t home = (uint64_t)home_arr[other];
+        if (((b - home) & mask) >= ((b - h) & mask)) {
+            buckets[h] = other;
+            bucket_of[other] = (int32_t)h;
+            buckets[b] = EMPTY;
+            h = b;
+        }
+        b = (b + 1) & mask;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef table_methods[] = {
+    {"get", (PyCFunction)table_get, METH_VARARGS, "get(ids, out=None, leading=False)"},
+    {"bind", (PyCFunction)table_bind, METH_VARARGS, "bind(ids, slots) -> pairs bound"},
+    {"unbind", (PyCFunction)table_unbind, METH_O, "unbind(slot) -> whether it held a key"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_kvtier_host.Table",
+    .tp_basicsize = sizeof(Table),
+    .tp_dealloc = (destructor)table_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The probes of one KeyTable's buffers.",
+    .tp_methods = table_methods,
+    .tp_init = (initproc)table_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static PyMethodDef methods[] = {
+    {"ids", ids, METH_O, "ids(keys) -> list of 16-byte key ids, or None for a key that is not a non-empty plain str or bytes"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvtier_host", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kvtier_host(void) {
+    start_state(BYTES_STATE, "kvtier-key-bytes");
+    start_state(STR_STATE, "kvtier-key-str");
+    if (PyType_Ready(&TableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&TableType);
+    if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) {
+        Py_DECREF(&TableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

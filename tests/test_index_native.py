@@ -1,0 +1,278 @@
+"""The index's C paths (native/host_index.c through kvtier.index.native) against their Python
+twins: the same key ids, the same table buffers after the same operations, the same errors, a
+pool giving the same answers; and the build itself: kept on disk, safe under concurrent
+processes, off on request, Python where no compiler works."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvtier.index.key_table as key_table
+from kvtier.index import native
+from kvtier.index.key_table import KeyTable
+from kvtier.index.keys import key_id, key_ids, clear_id_cache
+from tests.conftest import python_index_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def lib():
+    found = native.start(wait=True)
+    assert found is not None, "the C index paths did not build (is a C compiler installed?)"
+    return found
+
+
+def _random_keys(rng: random.Random, n: int) -> list:
+    """bytes and str keys of 1 to 300 bytes (one, two and three BLAKE2b blocks), ASCII and not,
+    lone surrogates included, and the block edges exactly."""
+    out = []
+    for i in range(n):
+        size = rng.choice([1, 2, 31, 32, 33, 127, 128, 129, 255, 256, 257, rng.randint(1, 300)])
+        if i % 3 == 0:
+            out.append(rng.randbytes(size))
+        elif i % 3 == 1:
+            out.append("".join(chr(rng.randint(32, 126)) for _ in range(size)))
+        else:
+            out.append("".join(chr(rng.choice([rng.randint(0x80, 0xD7FF), rng.randint(0xD800, 0xDFFF),
+                                               rng.randint(0xE000, 0x10FFFF), rng.randint(32, 126)]))
+                               for _ in range(size)))
+    return out
+
+
+def test_c_key_ids_are_the_python_ids(lib):
+    rng = random.Random(1)
+    keys = _random_keys(rng, 3000) + ["abc", b"abc", "a" * 128, b"a" * 128, "\ud800", "é"]
+    assert lib.ids(keys) == [key_id(k) for k in keys]
+    assert lib.ids(tuple(keys[:10])) == [key_id(k) for k in keys[:10]]
+    assert lib.ids([]) == []
+    # "abc" and b"abc" keep two ids
+    assert lib.ids(["abc"]) != lib.ids([b"abc"])
+
+
+class _Bytes(bytes):
+    pass
+
+
+@pytest.mark.parametrize("bad", [b"", "", _Bytes(b"x"), bytearray(b"x"), 7, None])
+def test_c_key_ids_leave_anything_but_plain_non_empty_keys_to_python(lib, bad):
+    assert lib.ids([b"fine", bad]) is None
+    with pytest.raises(TypeError):
+        lib.ids(5)
+
+
+def test_key_ids_of_new_keys_are_the_same_on_both_paths(lib, monkeypatch):
+    """key_ids' batch fill (every key new, or some cached) hashes in C; the same ids as one key
+    at a time in Python."""
+    rng = random.Random(2)
+    keys = _random_keys(rng, 600)
+    want = [key_id(k) for k in keys]
+    clear_id_cache()
+    assert key_ids(keys[:300]) == want[:300]  # every key new
+    assert key_ids(keys) == want  # half cached
+    clear_id_cache()
+    python_index_paths(monkeypatch)
+    assert key_ids(keys) == want
+
+
+def _tables(capacity: int, monkeypatch):
+    """(a table on the C paths, one on the Python paths binding one pair at a time)."""
+    c_table = KeyTable(capacity)
+    assert c_table._native() is not None
+    with monkeypatch.context() as m:
+        python_index_paths(m)
+        py_table = KeyTable(capacity)
+        assert py_table._native() is None
+    return c_table, py_table
+
+
+def _state(table: KeyTable) -> tuple:
+    keyed = np.flatnonzero(table._np_bucket_of >= 0)
+    return (bytes(table._buckets), table._np_bucket_of.tobytes(), table._np_home[keyed].tobytes(),
+            table._np_ids[keyed].tobytes(), len(table))
+
+
+@pytest.mark.parametrize("capacity", [8, 300, 5000])
+def test_c_table_changes_its_buffers_as_python_binds_and_unbinds_one_at_a_time(lib, monkeypatch, capacity):
+    """Random binds (single and batched), unbinds and lookups on two tables: after every step the
+    C table's buckets, ids, homes and count equal the Python table's (binding one pair at a
+    time), and every lookup agrees, before and after backward shifts."""
+    rng = random.Random(capacity)
+    c_table, py_table = _tables(capacity, monkeypatch)
+    monkeypatch.setattr(key_table, "BIND_MANY", 10**9)  # the Python table binds one pair at a time
+    ids = [rng.randbytes(16) for _ in range(2 * capacity)]
+    held: dict[int, bytes] = {}
+    for _ in range(60):
+        free = [s for s in range(capacity) if s not in held]
+        op = rng.random()
+        if op < 0.45 and free:
+            slots = rng.sample(free, rng.randint(1, len(free)))
+            taken = set(held.values())
+            kids = rng.sample([k for k in ids if k not in taken], len(slots))
+            with monkeypatch.context() as m:
+                python_index_paths(m)
+                py_table.bind_many(kids, slots)
+            c_table.bind_many(kids, slots)
+            held.update(zip(slots, kids))
+        elif op < 0.55 and free:
+            taken = set(held.values())
+            slot, kid = free[0], next(k for k in ids if k not in taken)
+            with monkeypatch.context() as m:
+                python_index_paths(m)
+                py_table.bind(kid, slot)
+            c_table.bind(kid, slot)
+            held[slot] = kid
+        else:
+            for slot in rng.sample(range(capacity), rng.randint(1, capacity)):
+                with monkeypatch.context() as m:
+                    python_index_paths(m)
+                    py_table.unbind(slot)
+                c_table.unbind(slot)
+                held.pop(slot, None)
+        assert _state(c_table) == _state(py_table)
+        asked = rng.sample(ids, min(len(ids), rng.randint(1, 400))) + [rng.randbytes(16), b"short", b"x" * 17]
+        where = {kid: slot for slot, kid in held.items()}
+        want = [where.get(kid, -1) for kid in asked]
+        assert c_table.get_many(asked) == want
+        assert c_table.get_many_array(asked).tolist() == want
+        assert [c_table.get(k) for k in asked] == want
+        assert list(c_table.get_each(asked)) == want
+        lead = want.index(-1) if -1 in want else len(want)
+        assert c_table.leading(asked) == want[:lead]
+        with monkeypatch.context() as m:
+            python_index_paths(m)
+            assert py_table.get_many(asked) == want
+            assert py_table.leading(asked) == want[:lead]
+
+
+def test_c_bind_many_refuses_what_bind_refuses_and_keeps_the_pairs_before(lib, monkeypatch):
+    """A slot that holds a key, an id already mapped, an id or a slot twice, an id of the wrong
+    size: the same error as the Python path, the pairs before the bad one bound, the table
+    exactly the Python table's afterwards."""
+    monkeypatch.setattr(key_table, "BIND_MANY", 10**9)
+    rng = random.Random(3)
+    ids = [rng.randbytes(16) for _ in range(64)]
+    for kids, slots, message in (
+        (ids[10:20], list(range(15, 25)), "slot 15 already holds"),
+        (ids[5:15], list(range(30, 40)), "is already in slot 5"),
+        (ids[20:25] + ids[20:21], list(range(40, 46)), "is already in slot"),
+        (ids[25:28], [50, 51, 50], "slot 50 already holds"),
+        (ids[28:30] + [b"short"], [52, 53, 54], "a key id is 16 bytes"),
+    ):
+        c_table, py_table = _tables(64, monkeypatch)
+        for table, python in ((c_table, False), (py_table, True)):
+            with monkeypatch.context() as m:
+                if python:
+                    python_index_paths(m)
+                table.bind_many(ids[:20], list(range(20)))
+                with pytest.raises(ValueError, match=message):
+                    table.bind_many(kids, slots)
+        assert _state(c_table) == _state(py_table)
+        assert c_table.get_many(ids) == [py_table.get(k) for k in ids]
+
+
+def test_a_table_changed_on_both_paths_in_turn_stays_one_table(lib, monkeypatch):
+    """The C and Python paths share the buffers: binds and unbinds alternating between them
+    leave a table whose every lookup agrees on both."""
+    rng = random.Random(4)
+    table = KeyTable(512)
+    ids = [rng.randbytes(16) for _ in range(512)]
+    slots = list(range(512))
+    rng.shuffle(slots)
+    for turn, at in enumerate(range(0, 512, 64)):
+        with monkeypatch.context() as m:
+            if turn % 2:
+                python_index_paths(m)
+                table._c = None
+            table.bind_many([ids[s] for s in slots[at : at + 64]], slots[at : at + 64])
+            for s in rng.sample(slots[: at + 64], 20):
+                table.unbind(s)
+        c_view = table.get_many(ids)
+        with monkeypatch.context() as m:
+            python_index_paths(m)
+            saved, table._c = table._c, None
+            assert table.get_many(ids) == c_view == [table.get(k) for k in ids]
+            table._c = saved
+
+
+def test_a_pool_gives_the_same_answers_on_the_c_and_python_paths(lib, monkeypatch):
+    """test_index_batch's workload (matches, loads, evictions, pages read back bit-exact) on the C
+    paths and on the Python paths: the same trace."""
+    from tests.test_index_batch import _workload
+
+    c_trace = _workload()
+    with monkeypatch.context() as m:
+        python_index_paths(m)
+        assert _workload() == c_trace
+
+
+def _in_fresh_process(code: str, env: dict) -> subprocess.Popen:
+    full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/root")}
+    full.update(env)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+_USE = """
+    import os, sys
+    from kvtier.index import native
+    from kvtier.index.keys import key_id
+    lib = native.start(wait=True)
+    keys = [os.urandom(40) for _ in range(100)] + ["k%d" % i for i in range(100)]
+    ok = lib is not None and lib.ids(keys) == [key_id(k) for k in keys]
+    print("C" if ok else ("python" if lib is None else "WRONG"))
+"""
+
+
+def test_processes_building_at_once_each_load_one_whole_library(tmp_path):
+    """Four fresh processes build into an empty cache directory at once: each loads a library
+    that gives the right ids, one library is kept, no temporary file is left; a fifth process
+    loads it without building."""
+    folder = tmp_path / "cache"
+    procs = [_in_fresh_process(_USE, {"KVTIER_HOST_CACHE": str(folder)}) for _ in range(4)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [o.strip() for o, _ in outs] == ["C"] * 4, [e[-2000:] for _, e in outs]
+    kept = sorted(os.listdir(folder))
+    assert len(kept) == 1 and kept[0].startswith(native.MODULE + "."), kept
+    stamp = os.stat(folder / kept[0]).st_mtime_ns
+    out, err = _in_fresh_process(_USE, {"KVTIER_HOST_CACHE": str(folder)}).communicate(timeout=180)
+    assert out.strip() == "C", err[-2000:]
+    assert os.stat(folder / kept[0]).st_mtime_ns == stamp and os.listdir(folder) == kept
+
+
+@pytest.mark.parametrize("how", ["off", "no compiler"])
+def test_without_the_c_library_a_pool_runs_on_python(tmp_path, how):
+    """KVTIER_HOST_CACHE=off, or a compiler that fails: no library, one log line, and a pool's
+    commit, match and load work on the Python paths."""
+    env = {"KVTIER_HOST_CACHE": "off"} if how == "off" else {"KVTIER_HOST_CACHE": str(tmp_path / "c"), "CC": "false"}
+    code = "import logging\nlogging.basicConfig()\n" + textwrap.dedent(_USE) + textwrap.dedent("""
+    import torch
+    from prometheus_client import CollectorRegistry
+    from kvtier import PageFormat, TieredPool
+    fmt = PageFormat(num_layers=2, num_kv_heads=1, head_dim=16, page_size=4, dtype="bf16", scale="none")
+    pool = TieredPool(fmt, device="cpu", device_pages=8, host_pages=32, registry=CollectorRegistry())
+    slots = pool.allocate(4)
+    pool.commit(["a", "b", "c", "d"], slots)
+    pool.release(slots)
+    pool.flush()
+    pool.evict(tier="device", keys=["a", "b", "c", "d"])
+    assert pool.match(["a", "b", "c", "d", "e"]).host == 4
+    h = pool.load(["a", "b", "c", "d"])
+    h.wait()
+    assert len(h.slots) == 4 and native.module() is None and pool._host.table._native() is None
+    pool.close()
+    print("pool ok")
+    """)
+    out, err = _in_fresh_process(code, env).communicate(timeout=180)
+    assert out.split() == ["python", "pool", "ok"], err[-2000:]
+    if how == "no compiler":  # said once; nothing left in the directory
+        assert err.count("C index paths are not built") == 1, err[-2000:]
+        assert os.listdir(tmp_path / "c") == []
