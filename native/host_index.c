@@ -408,7 +408,40 @@ static PyObject *table_unbind(Table *t, PyObject *arg) {
     Py_RETURN_TRUE;
 }
 
+/* ids_of(slots) -> list[bytes] | int: the id each slot holds, in order; where a slot is out of
+   range or holds no key, its position instead (KeyTable.ids_of names it). */
+static PyObject *table_ids_of(Table *t, PyObject *slots) {
+    if (check_held(t) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(slots, "slots must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const int32_t *bucket_of = (const int32_t *)t->bucket_of.buf;
+    const char *ids = (const char *)t->ids.buf;
+    PyObject *out = PyList_New(n);
+    if (!out) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long slot = PyLong_AsLong(items[i]);
+        if (slot == -1 && PyErr_Occurred()) goto fail;
+        if (slot < 0 || slot >= t->capacity || bucket_of[slot] == EMPTY) {
+            Py_DECREF(out);
+            Py_DECREF(seq);
+            return PyLong_FromSsize_t(i);
+        }
+        PyObject *kid = PyBytes_FromStringAndSize(ids + (size_t)slot * ID_BYTES, ID_BYTES);
+        if (!kid) goto fail;
+        PyList_SET_ITEM(out, i, kid);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyMethodDef table_methods[] = {
+    {"ids_of", (PyCFunction)table_ids_of, METH_O, "ids_of(slots) -> list of ids, or the position of a slot without one"},
     {"get", (PyCFunction)table_get, METH_VARARGS, "get(ids, out=None, leading=False)"},
     {"bind", (PyCFunction)table_bind, METH_VARARGS, "bind(ids, slots) -> pairs bound"},
     {"unbind", (PyCFunction)table_unbind, METH_O, "unbind(slot) -> whether it held a key"},

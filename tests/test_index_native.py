@@ -151,6 +151,16 @@ def test_c_table_changes_its_buffers_as_python_binds_and_unbinds_one_at_a_time(l
             python_index_paths(m)
             assert py_table.get_many(asked) == want
             assert py_table.leading(asked) == want[:lead]
+        keyed = rng.sample(sorted(held), min(len(held), rng.randint(0, 300)))
+        assert c_table.ids_of(keyed) == [held[s] for s in keyed]
+        assert c_table.ids_of(np.asarray(keyed, dtype=np.int64)) == [held[s] for s in keyed]
+        keyless = [s for s in range(capacity) if s not in held]
+        if keyless:
+            with pytest.raises(ValueError, match=f"slot {keyless[0]} holds no key"):
+                c_table.ids_of(keyed + keyless[:1] + keyed)
+    for bad in (-1, capacity):
+        with pytest.raises(IndexError):
+            c_table.ids_of([bad])
 
 
 def test_c_bind_many_refuses_what_bind_refuses_and_keeps_the_pairs_before(lib, monkeypatch):

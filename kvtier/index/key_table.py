@@ -332,6 +332,12 @@ class KeyTable:
 
     def ids_of(self, slots) -> list[bytes]:
         """`id_of` of each slot, in order (numpy from MANY slots)."""
+        c = self._c or self._native()
+        if c is not None:
+            out = c.ids_of(slots)
+            if type(out) is int:  # a slot out of range or holding no key: named below
+                return [self.id_of(slots[out])]
+            return out
         if len(slots) < MANY:
             id_of = self.id_of
             return [id_of(slot) for slot in slots]
@@ -374,6 +380,8 @@ class KeyTable:
 
     def id_of(self, slot: int) -> bytes:
         """The key id `slot` holds; ValueError when it holds none."""
+        if slot < 0:  # (a negative index would read another slot)
+            raise IndexError(f"slot {slot} out of range")
         if self._bucket_of[slot] == _EMPTY:
             raise ValueError(f"slot {slot} holds no key")
         at = slot * _W

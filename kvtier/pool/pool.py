@@ -169,7 +169,11 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         device_pages = self.device_tier.num_pages
         self.host_tier = HostTier(fmt, host_pages, size=None if host_bytes is None else ("host_bytes", host_bytes))
         self.engine = make_engine(engine, self.device_tier, self.host_tier, transform, copy_path)
-        self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages), compact_keys=False)
+        # The device tier's keys: in the compact table where its C paths are loaded (faster than a
+        # dict there: 2-core VM, 4,096-page commit 0.66 -> 0.55 µs a page, load 0.49 -> 0.36), else
+        # over a dict (ten times faster than the compact table's Python paths).
+        lib = native.start()  # the index's C paths: loaded if built before, else built in a thread
+        self._dev = TierIndex("device", device_pages, make_policy(eviction, device_pages), compact_keys=lib is not None)
         self._host = TierIndex("host", host_pages, make_policy(eviction, host_pages))
         self.close_timeout_s = close_timeout_s
         self._lock = threading.Lock()
@@ -222,7 +226,6 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
             self._offloader = threading.Thread(target=self._offload_loop, name="kvtier-offload", daemon=True)
             self._offloader.start()
         hold_id_cache()
-        native.start()  # the index's C paths: loaded if built before, else built in a thread
 
     # --- engine-facing views -------------------------------------------------------------
     def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
