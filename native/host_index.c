@@ -12,7 +12,10 @@
    or bytes object: the Python path then names it.
 
    Table(buckets, ids, bucket_of, home, mask): the probes of KeyTable with Python's hash of each
-   16-byte id (the same SipHash the Python code uses, cached in the bytes object). */
+   16-byte id (the same SipHash the Python code uses, cached in the bytes object).
+
+   Links(next, prev, member, stamp): the links of one kvtier.index.slot_list.SlotList, appended
+   and unlinked one slot after the other as its one-at-a-time paths do. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -459,6 +462,225 @@ static PyTypeObject TableType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ---- the slot lists (kvtier.index.slot_list.SlotList) ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer next, prev, member, stamp; /* int32 and int32 (capacity + 1: the last is the
+                                            sentinel), uint8 (capacity + 1), int64 (capacity) */
+    int held;
+    Py_ssize_t capacity;
+} Links;
+
+static void links_release(Links *l) {
+    if (l->held) {
+        PyBuffer_Release(&l->next);
+        PyBuffer_Release(&l->prev);
+        PyBuffer_Release(&l->member);
+        PyBuffer_Release(&l->stamp);
+        l->held = 0;
+    }
+}
+
+static void links_dealloc(Links *l) {
+    links_release(l);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static int links_init(Links *l, PyObject *args, PyObject *kw) {
+    (void)kw;
+    PyObject *n, *p, *m, *s;
+    if (!PyArg_ParseTuple(args, "OOOO", &n, &p, &m, &s)) return -1;
+    links_release(l);
+    if (writable(n, &l->next, 4, "next") < 0) return -1;
+    if (writable(p, &l->prev, 4, "prev") < 0) goto fail_n;
+    if (writable(m, &l->member, 1, "member") < 0) goto fail_p;
+    if (writable(s, &l->stamp, 8, "stamp") < 0) goto fail_m;
+    l->held = 1;
+    l->capacity = l->stamp.len / 8;
+    if (l->next.len != (l->capacity + 1) * 4 || l->prev.len != l->next.len || l->member.len != l->capacity + 1) {
+        links_release(l);
+        PyErr_SetString(PyExc_ValueError, "Links: buffers of mismatched sizes");
+        return -1;
+    }
+    return 0;
+fail_m:
+    PyBuffer_Release(&l->member);
+fail_p:
+    PyBuffer_Release(&l->prev);
+fail_n:
+    PyBuffer_Release(&l->next);
+    return -1;
+}
+
+/* The slots of `obj` as int64s: an int64 buffer (a numpy array) read in place, else a sequence
+   of ints copied into `*owned` (freed by the caller). -1 with an error set, e.g. for a slot out
+   of [0, capacity). */
+static Py_ssize_t slots_of(PyObject *obj, Py_ssize_t capacity, Py_buffer *view, int *viewing,
+                           const int64_t **out, int64_t **owned) {
+    *viewing = 0;
+    *owned = NULL;
+    Py_ssize_t n;
+    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+        const char *f = view->format ? view->format : "B";
+        if (view->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "<q") == 0
+                                    || strcmp(f, "<l") == 0 || strcmp(f, "=q") == 0 || strcmp(f, "=l") == 0)) {
+            *viewing = 1;
+            *out = (const int64_t *)view->buf;
+            n = view->len / 8;
+            goto check;
+        }
+        PyBuffer_Release(view);
+    }
+    PyErr_Clear();
+    {
+        PyObject *seq = PySequence_Fast(obj, "slots must be a sequence of ints");
+        if (!seq) return -1;
+        n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        *owned = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+        if (!*owned) {
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long v = PyLong_AsLongLong(items[i]);
+            if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                PyMem_Free(*owned);
+                *owned = NULL;
+                return -1;
+            }
+            (*owned)[i] = v;
+        }
+        Py_DECREF(seq);
+        *out = *owned;
+    }
+check:
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((*out)[i] < 0 || (*out)[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "slot %lld out of range [0, %zd)", (long long)(*out)[i], capacity);
+            if (*viewing) PyBuffer_Release(view);
+            PyMem_Free(*owned);
+            *owned = NULL;
+            return -1;
+        }
+    }
+    return n;
+}
+
+static void slots_done(Py_buffer *view, int viewing, int64_t *owned) {
+    if (viewing) PyBuffer_Release(view);
+    PyMem_Free(owned);
+}
+
+/* append(slots, stamp) -> int: each slot to the end in order (moved there if listed), its stamp
+   `stamp`, `stamp` + 1, ...; how many were not listed before. */
+static PyObject *links_append(Links *l, PyObject *args) {
+    PyObject *obj;
+    long long now;
+    if (!PyArg_ParseTuple(args, "OL", &obj, &now)) return NULL;
+    if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, l->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    int32_t *nxt = (int32_t *)l->next.buf, *prv = (int32_t *)l->prev.buf;
+    uint8_t *member = (uint8_t *)l->member.buf;
+    int64_t *stamp = (int64_t *)l->stamp.buf;
+    int32_t head = (int32_t)l->capacity;
+    Py_ssize_t added = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t slot = (int32_t)slots[i];
+        if (member[slot]) {
+            int32_t p = prv[slot], q = nxt[slot];
+            nxt[p] = q;
+            prv[q] = p;
+        } else {
+            member[slot] = 1;
+            added++;
+        }
+        stamp[slot] = now++;
+        int32_t last = prv[head];
+        nxt[last] = slot;
+        prv[slot] = last;
+        nxt[slot] = head;
+        prv[head] = slot;
+    }
+    slots_done(&view, viewing, owned);
+    return PyLong_FromSsize_t(added);
+}
+
+/* discard(slots) -> int: the listed ones leave (the order of the rest stays); how many left. */
+static PyObject *links_discard(Links *l, PyObject *obj) {
+    if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, l->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    int32_t *nxt = (int32_t *)l->next.buf, *prv = (int32_t *)l->prev.buf;
+    uint8_t *member = (uint8_t *)l->member.buf;
+    Py_ssize_t gone = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t slot = (int32_t)slots[i];
+        if (member[slot]) {
+            int32_t p = prv[slot], q = nxt[slot];
+            nxt[p] = q;
+            prv[q] = p;
+            member[slot] = 0;
+            gone++;
+        }
+    }
+    slots_done(&view, viewing, owned);
+    return PyLong_FromSsize_t(gone);
+}
+
+/* first(n) -> list: up to n slots from the front, in order. */
+static PyObject *links_first(Links *l, PyObject *arg) {
+    if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    const int32_t *nxt = (const int32_t *)l->next.buf;
+    int32_t head = (int32_t)l->capacity;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    int32_t slot = nxt[head];
+    for (Py_ssize_t i = 0; i < n && slot != head; i++) {
+        PyObject *num = PyLong_FromLong(slot);
+        if (!num || PyList_Append(out, num) < 0) {
+            Py_XDECREF(num);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(num);
+        slot = nxt[slot];
+    }
+    return out;
+}
+
+static PyMethodDef links_methods[] = {
+    {"append", (PyCFunction)links_append, METH_VARARGS, "append(slots, stamp) -> slots newly listed"},
+    {"discard", (PyCFunction)links_discard, METH_O, "discard(slots) -> slots that left"},
+    {"first", (PyCFunction)links_first, METH_O, "first(n) -> up to n slots from the front"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LinksType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_kvtier_host.Links",
+    .tp_basicsize = sizeof(Links),
+    .tp_dealloc = (destructor)links_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The links of one SlotList's buffers.",
+    .tp_methods = links_methods,
+    .tp_init = (initproc)links_init,
+    .tp_new = PyType_GenericNew,
+};
+
 static PyMethodDef methods[] = {
     {"ids", ids, METH_O, "ids(keys) -> list of 16-byte key ids, or None for a key that is not a non-empty plain str or bytes"},
     {NULL, NULL, 0, NULL},
@@ -469,12 +691,18 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvtier_host", NULL,
 PyMODINIT_FUNC PyInit__kvtier_host(void) {
     start_state(BYTES_STATE, "kvtier-key-bytes");
     start_state(STR_STATE, "kvtier-key-str");
-    if (PyType_Ready(&TableType) < 0) return NULL;
+    if (PyType_Ready(&TableType) < 0 || PyType_Ready(&LinksType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&TableType);
     if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) {
         Py_DECREF(&TableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LinksType);
+    if (PyModule_AddObject(m, "Links", (PyObject *)&LinksType) < 0) {
+        Py_DECREF(&LinksType);
         Py_DECREF(m);
         return NULL;
     }

@@ -286,3 +286,87 @@ def test_without_the_c_library_a_pool_runs_on_python(tmp_path, how):
     if how == "no compiler":  # said once; nothing left in the directory
         assert err.count("C index paths are not built") == 1, err[-2000:]
         assert os.listdir(tmp_path / "c") == []
+
+
+def _order(lst) -> tuple:
+    """What a SlotList is: its walk from the front, each listed slot's stamp, its length and the
+    next stamp (unlisted slots' stale links are nobody's business)."""
+    walk, slot = [], lst._next[lst._head]
+    while slot != lst._head:
+        walk.append(slot)
+        slot = lst._next[slot]
+    back, slot = [], lst._prev[lst._head]
+    while slot != lst._head:
+        back.append(slot)
+        slot = lst._prev[slot]
+    assert back[::-1] == walk
+    member = [s for s in range(lst.capacity) if lst._member[s]]
+    assert sorted(walk) == member
+    return walk, [lst._stamp[s] for s in walk], len(lst), lst._stamps
+
+
+@pytest.mark.parametrize("capacity", [1, 50, 3000])
+def test_c_slot_lists_keep_the_order_the_python_paths_keep(lib, monkeypatch, capacity):
+    """Random appends, extends (repeats, listed slots, numpy arrays), discards one and many,
+    moves to the end and walks on two lists: after every step the C list's order, stamps and
+    length are the Python list's (one-at-a-time and numpy paths)."""
+    from kvtier.index.slot_list import SlotList
+
+    rng = random.Random(capacity + 7)
+    c_list = SlotList(capacity)
+    assert c_list._native() is not None
+    with monkeypatch.context() as m:
+        python_index_paths(m)
+        py_list = SlotList(capacity)
+    for step in range(200):
+        op = rng.randrange(9)
+        k = rng.randint(0, min(capacity, 400))
+        picked = [rng.randrange(capacity) for _ in range(k)]
+        distinct = rng.sample(range(capacity), k)
+        listed = [s for s in distinct if s in c_list]
+        unlisted = [s for s in distinct if s not in c_list]
+        calls = [
+            ("append", (picked[0],) if picked else (0,)),
+            ("extend", (picked,)),
+            ("extend", (distinct,)),
+            ("extend_distinct", (np.asarray(distinct, dtype=np.int64),)),
+            ("extend_unlisted", (unlisted,)),
+            ("discard", (picked[0],) if picked else (0,)),
+            ("discard_many", (picked,)),
+            ("discard_distinct", (np.asarray(distinct, dtype=np.int64),)),
+            ("move_to_end", (listed[0],) if listed else (0,)),
+        ]
+        name, args = calls[op]
+        getattr(c_list, name)(*args)
+        with monkeypatch.context() as m:
+            python_index_paths(m)
+            getattr(py_list, name)(*args)
+            want_first = py_list.first(k)
+        assert _order(c_list) == _order(py_list), (step, name)
+        assert c_list.first(k) == want_first
+    with pytest.raises(IndexError):
+        c_list.extend([0, capacity])
+    with pytest.raises(IndexError):
+        c_list.discard_many([-1])
+
+
+def test_c_slot_lists_under_an_lru_policy_pick_the_python_victims(lib, monkeypatch):
+    """An LRU policy driven by the same random adds, touches and removes on both paths picks the
+    same victims in the same order."""
+    from kvtier.index.eviction import make_policy
+
+    rng = random.Random(9)
+    c_lru = make_policy("lru", 2000)
+    with monkeypatch.context() as m:
+        python_index_paths(m)
+        py_lru = make_policy("lru", 2000)
+    for _ in range(150):
+        slots = rng.sample(range(2000), rng.randint(1, 300))
+        op = rng.choice(["add_many", "touch_many", "remove_many", "add_many_distinct", "touch_many_distinct"])
+        arg = np.asarray(slots, dtype=np.int64) if op.endswith("distinct") else slots
+        getattr(c_lru, op)(arg)
+        with monkeypatch.context() as m:
+            python_index_paths(m)
+            getattr(py_lru, op)(arg)
+            want = py_lru.victims(500)
+        assert c_lru.victims(500) == want

@@ -11,6 +11,10 @@ run of its leaving slots begins and ends from its neighbours' links, and pairs t
 beginning with the k-th end by their stamps, in a fixed number of numpy calls (pointer jumping
 along the links took log2 of the longest run in calls: 38-58 µs for 128 slots, 450-540 for
 2,048 on the 2-core VM).
+
+Where kvtier.index.native has loaded its C library, batches are linked and unlinked there, one
+slot after the other on the same arrays (the one-at-a-time paths' result, whatever the batch),
+and walks from the front read the links there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from array import array
 from collections.abc import Iterator
 
 import numpy as np
+
+from kvtier.index import native
 
 _NIL = -1
 # Batches at least this long are linked and unlinked with numpy (`extend`, `discard_many`), and
@@ -68,6 +74,20 @@ class SlotList:
         self._np_prev = np.frombuffer(self._prev, dtype=np.int32)
         self._np_member = np.frombuffer(self._member, dtype=np.uint8)
         self._np_stamp = np.frombuffer(self._stamp, dtype=np.int64)
+        self._c = None  # the C links of these arrays, once kvtier.index.native is loaded
+
+    def _native(self):
+        """The C links of this list's arrays, or None while the C library is not loaded."""
+        c = self._c
+        if c is None:
+            lib = native.module()
+            if lib is not None:
+                c = self._c = lib.Links(self._next, self._prev, self._member, self._stamp)
+        return c
+
+    def _append_c(self, c, slots) -> None:
+        self._len += c.append(slots, self._stamps)
+        self._stamps += len(slots)
 
     def __len__(self) -> int:
         return self._len
@@ -106,6 +126,10 @@ class SlotList:
 
     def extend(self, slots: list[int]) -> None:
         """`append` of each slot, in order (a slot listed twice ends where its last append puts it)."""
+        c = self._c or self._native()
+        if c is not None:
+            self._append_c(c, slots)
+            return
         if len(slots) < BULK or len(set(slots)) != len(slots):
             self._append_each(slots)
             return
@@ -113,6 +137,10 @@ class SlotList:
 
     def _append_each(self, slots) -> None:
         """`append` of each slot in order, the linking inline (a short batch: no call per slot)."""
+        c = self._c or self._native()
+        if c is not None:
+            self._append_c(c, slots)
+            return
         nxt, prv, member, head, stamp = self._next, self._prev, self._member, self._head, self._stamp
         added = 0
         now = self._stamps
@@ -136,6 +164,10 @@ class SlotList:
 
     def _discard_each(self, slots) -> None:
         """`discard` of each slot, the unlinking inline (a short batch: no call per slot)."""
+        c = self._c or self._native()
+        if c is not None:
+            self._len -= c.discard(slots)
+            return
         nxt, prv, member = self._next, self._prev, self._member
         gone = 0
         for slot in slots:
@@ -150,6 +182,10 @@ class SlotList:
     def extend_unlisted(self, slots: list[int]) -> None:
         """`extend` of a short list of distinct slots none of which is listed (no check): one
         loop that links them in a chain, no call per slot."""
+        c = self._c or self._native()
+        if c is not None:
+            self._append_c(c, slots)
+            return
         nxt, prv, member, head, stamp = self._next, self._prev, self._member, self._head, self._stamp
         last = prv[head]
         now = self._stamps
@@ -167,6 +203,10 @@ class SlotList:
 
     def extend_distinct(self, new: np.ndarray) -> None:
         """`extend` of an int64 array of slots the caller knows to be distinct (no check)."""
+        c = self._c or self._native()
+        if c is not None:
+            self._append_c(c, new)
+            return
         if new.size < BULK:
             self._append_each(new.tolist())
             return
@@ -193,6 +233,10 @@ class SlotList:
         In numpy: the runs of leaving slots along the order begin where a slot's previous one
         stays and end where its next one stays; the k-th beginning and the k-th end by stamp
         (the list's order) bound one run, whose staying neighbours are linked to each other."""
+        c = self._c or self._native()
+        if c is not None:
+            self._len -= c.discard(slots)
+            return
         if len(slots) < BULK:
             self._discard_each(slots)
             return
@@ -200,6 +244,10 @@ class SlotList:
 
     def discard_distinct(self, slots: np.ndarray) -> None:
         """`discard_many` of an int64 array of slots the caller knows to be distinct."""
+        c = self._c or self._native()
+        if c is not None:
+            self._len -= c.discard(slots)
+            return
         if slots.size < BULK:
             self._discard_each(slots.tolist())
             return
@@ -240,6 +288,9 @@ class SlotList:
 
     def first(self, n: int) -> list[int]:
         """Up to n slots from the front, in order (reads n links, never the whole list)."""
+        c = self._c or self._native()
+        if c is not None:
+            return c.first(min(n, self._len))
         out: list[int] = []
         append, nxt = out.append, self._next
         slot = nxt[self._head]
