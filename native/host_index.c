@@ -379,20 +379,13 @@ fail:
     return NULL;
 }
 
-/* unbind(slot) -> bool: forgets the key of `slot` with a backward shift, as KeyTable.unbind;
-   whether it held one. */
-static PyObject *table_unbind(Table *t, PyObject *arg) {
-    if (check_held(t) < 0) return NULL;
-    long slot = PyLong_AsLong(arg);
-    if (slot == -1 && PyErr_Occurred()) return NULL;
-    if (slot < 0 || slot >= t->capacity) {
-        PyErr_Format(PyExc_IndexError, "slot %ld out of range", slot);
-        return NULL;
-    }
+/* Forgets the key of `slot` (in range) with a backward shift, as KeyTable.unbind; whether it
+   held one. */
+static int unbind_one(Table *t, long slot) {
     int32_t *buckets = (int32_t *)t->buckets.buf, *bucket_of = (int32_t *)t->bucket_of.buf;
     const int32_t *home_arr = (const int32_t *)t->home.buf;
     int32_t hole = bucket_of[slot];
-    if (hole == EMPTY) Py_RETURN_FALSE;
+    if (hole == EMPTY) return 0;
     bucket_of[slot] = EMPTY;
     buckets[hole] = EMPTY;
     uint64_t mask = t->mask, h = (uint64_t)hole, b = (h + 1) & mask;
@@ -408,7 +401,19 @@ static PyObject *table_unbind(Table *t, PyObject *arg) {
         }
         b = (b + 1) & mask;
     }
-    Py_RETURN_TRUE;
+    return 1;
+}
+
+/* unbind(slot) -> bool: unbind_one of one slot. */
+static PyObject *table_unbind(Table *t, PyObject *arg) {
+    if (check_held(t) < 0) return NULL;
+    long slot = PyLong_AsLong(arg);
+    if (slot == -1 && PyErr_Occurred()) return NULL;
+    if (slot < 0 || slot >= t->capacity) {
+        PyErr_Format(PyExc_IndexError, "slot %ld out of range", slot);
+        return NULL;
+    }
+    return PyBool_FromLong(unbind_one(t, slot));
 }
 
 /* ids_of(slots) -> list[bytes] | int: the id each slot holds, in order; where a slot is out of
@@ -443,7 +448,11 @@ fail:
     return NULL;
 }
 
+/* unbind_many(slots) -> int: unbind of each slot in order; how many held a key. */
+static PyObject *table_unbind_many(Table *t, PyObject *obj);
+
 static PyMethodDef table_methods[] = {
+    {"unbind_many", (PyCFunction)table_unbind_many, METH_O, "unbind_many(slots) -> slots that held a key"},
     {"ids_of", (PyCFunction)table_ids_of, METH_O, "ids_of(slots) -> list of ids, or the position of a slot without one"},
     {"get", (PyCFunction)table_get, METH_VARARGS, "get(ids, out=None, leading=False)"},
     {"bind", (PyCFunction)table_bind, METH_VARARGS, "bind(ids, slots) -> pairs bound"},
@@ -575,6 +584,227 @@ static void slots_done(Py_buffer *view, int viewing, int64_t *owned) {
     PyMem_Free(owned);
 }
 
+static PyObject *table_unbind_many(Table *t, PyObject *obj) {
+    if (check_held(t) < 0) return NULL;
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, t->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    Py_ssize_t held = 0;
+    for (Py_ssize_t i = 0; i < n; i++) held += unbind_one(t, (long)slots[i]);
+    slots_done(&view, viewing, owned);
+    return PyLong_FromSsize_t(held);
+}
+
+/* ---- page states (kvtier.index.tier_index.TierIndex.set_states) ---- */
+
+#define STATES 6
+#define FREE_STATE 0
+#define DIRTY_STATE 4
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer state, pins, busy, hits; /* uint8, int32, int32, uint8: one a slot */
+    int held;
+    Py_ssize_t capacity;
+    uint8_t legal[STATES * STATES]; /* legal[old * STATES + new] */
+    uint8_t evictable[STATES];
+    uint32_t *seen; /* scratch: the call that last saw each slot */
+    uint32_t call;
+} States;
+
+static void states_release(States *st) {
+    if (st->held) {
+        PyBuffer_Release(&st->state);
+        PyBuffer_Release(&st->pins);
+        PyBuffer_Release(&st->busy);
+        PyBuffer_Release(&st->hits);
+        st->held = 0;
+    }
+    PyMem_Free(st->seen);
+    st->seen = NULL;
+}
+
+static void states_dealloc(States *st) {
+    states_release(st);
+    Py_TYPE(st)->tp_free((PyObject *)st);
+}
+
+static int states_init(States *st, PyObject *args, PyObject *kw) {
+    (void)kw;
+    PyObject *a, *p, *b, *h;
+    Py_buffer legal, evictable;
+    if (!PyArg_ParseTuple(args, "OOOOy*y*", &a, &p, &b, &h, &legal, &evictable)) return -1;
+    states_release(st);
+    int ok = legal.len == STATES * STATES && evictable.len == STATES;
+    if (ok) {
+        memcpy(st->legal, legal.buf, STATES * STATES);
+        memcpy(st->evictable, evictable.buf, STATES);
+    }
+    PyBuffer_Release(&legal);
+    PyBuffer_Release(&evictable);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "States: legal must be 36 bytes and evictable 6");
+        return -1;
+    }
+    if (writable(a, &st->state, 1, "state") < 0) return -1;
+    if (writable(p, &st->pins, 4, "pins") < 0) goto fail_a;
+    if (writable(b, &st->busy, 4, "busy") < 0) goto fail_p;
+    if (writable(h, &st->hits, 1, "hits") < 0) goto fail_b;
+    st->held = 1;
+    st->capacity = st->state.len;
+    if (st->pins.len != st->capacity * 4 || st->busy.len != st->capacity * 4 || st->hits.len != st->capacity) {
+        states_release(st);
+        PyErr_SetString(PyExc_ValueError, "States: buffers of mismatched sizes");
+        return -1;
+    }
+    st->seen = PyMem_Calloc((size_t)(st->capacity ? st->capacity : 1), sizeof(uint32_t));
+    st->call = 0;
+    if (!st->seen) {
+        states_release(st);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+fail_b:
+    PyBuffer_Release(&st->busy);
+fail_p:
+    PyBuffer_Release(&st->pins);
+fail_a:
+    PyBuffer_Release(&st->state);
+    return -1;
+}
+
+static int append_slot(PyObject *list, int64_t slot) {
+    PyObject *num = PyLong_FromLongLong(slot);
+    if (!num) return -1;
+    int rc = PyList_Append(list, num);
+    Py_DECREF(num);
+    return rc;
+}
+
+/* set(slots, new, busy_delta) -> None | (left, adds, removes, undirty, freed, busy_change):
+   TierIndex.set_states' loops over distinct slots, applied to the arrays here. None, with nothing
+   changed, when a slot repeats, a transition is illegal, a slot to free is held or busy, or a
+   copy count would go below zero: the Python loops apply repeats in order and name the fault.
+   Else: how many slots left each state, the slots joining and leaving the eviction order (in
+   order), those that were DIRTY (off the dirty list), those freed (to unbind, in order, and
+   push on the free list) and the change in busy slots. */
+static PyObject *states_set(States *st, PyObject *args) {
+    PyObject *obj;
+    int new_state, delta;
+    if (!PyArg_ParseTuple(args, "Oii", &obj, &new_state, &delta)) return NULL;
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    if (new_state < 0 || new_state >= STATES) return PyErr_Format(PyExc_ValueError, "no state %d", new_state);
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    uint8_t *state = (uint8_t *)st->state.buf, *hits = (uint8_t *)st->hits.buf;
+    int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
+    PyObject *adds = NULL, *removes = NULL, *undirty = NULL, *freed = NULL, *out = NULL;
+    if (++st->call == 0) { /* wrapped: forget every mark */
+        memset(st->seen, 0, (size_t)st->capacity * sizeof(uint32_t));
+        st->call = 1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* check everything before changing anything */
+        int64_t slot = slots[i];
+        uint8_t old = state[slot];
+        if (st->seen[slot] == st->call || old >= STATES || !st->legal[old * STATES + new_state]) goto python;
+        st->seen[slot] = st->call;
+        if (new_state == FREE_STATE) {
+            if (pins[slot] || busy[slot] + delta) goto python;
+        } else if (busy[slot] + delta < 0) {
+            goto python;
+        }
+    }
+    adds = PyList_New(0);
+    removes = PyList_New(0);
+    undirty = PyList_New(0);
+    freed = PyList_New(0);
+    if (!adds || !removes || !undirty || !freed) goto fail;
+    Py_ssize_t left[STATES] = {0};
+    long busy_change = 0;
+    uint8_t evictable_new = st->evictable[new_state];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        uint8_t old = state[slot];
+        left[old]++;
+        if (old == DIRTY_STATE && append_slot(undirty, slot) < 0) goto fail;
+        if (new_state == FREE_STATE) {
+            if (delta) {
+                busy[slot] = 0;
+                busy_change--;
+            } else if (st->evictable[old] && append_slot(removes, slot) < 0) {
+                goto fail;
+            }
+            state[slot] = FREE_STATE;
+            hits[slot] = 0;
+            if (append_slot(freed, slot) < 0) goto fail;
+            continue;
+        }
+        state[slot] = (uint8_t)new_state;
+        if (!delta) {
+            if (evictable_new != st->evictable[old] && !busy[slot] && !pins[slot]
+                && append_slot(evictable_new ? adds : removes, slot) < 0)
+                goto fail;
+            continue;
+        }
+        int32_t before = busy[slot], after = before + delta;
+        busy[slot] = after;
+        if (!before) {
+            busy_change++;
+            if (st->evictable[old] && !pins[slot] && append_slot(removes, slot) < 0) goto fail;
+        } else if (!after) {
+            busy_change--;
+            if (evictable_new && !pins[slot] && append_slot(adds, slot) < 0) goto fail;
+        }
+    }
+    PyObject *counts = PyList_New(STATES);
+    if (!counts) goto fail;
+    for (int k = 0; k < STATES; k++) {
+        PyObject *num = PyLong_FromSsize_t(left[k]);
+        if (!num) {
+            Py_DECREF(counts);
+            goto fail;
+        }
+        PyList_SET_ITEM(counts, k, num);
+    }
+    out = Py_BuildValue("(NNNNNl)", counts, adds, removes, undirty, freed, busy_change);
+    slots_done(&view, viewing, owned);
+    return out;
+python:
+    slots_done(&view, viewing, owned);
+    Py_RETURN_NONE;
+fail: /* (only memory runs out here; the arrays are left as far as the loop went) */
+    Py_XDECREF(adds);
+    Py_XDECREF(removes);
+    Py_XDECREF(undirty);
+    Py_XDECREF(freed);
+    slots_done(&view, viewing, owned);
+    return NULL;
+}
+
+static PyMethodDef states_methods[] = {
+    {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StatesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_kvtier_host.States",
+    .tp_basicsize = sizeof(States),
+    .tp_dealloc = (destructor)states_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The page states of one TierIndex's arrays.",
+    .tp_methods = states_methods,
+    .tp_init = (initproc)states_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* append(slots, stamp) -> int: each slot to the end in order (moved there if listed), its stamp
    `stamp`, `stamp` + 1, ...; how many were not listed before. */
 static PyObject *links_append(Links *l, PyObject *args) {
@@ -691,12 +921,18 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvtier_host", NULL,
 PyMODINIT_FUNC PyInit__kvtier_host(void) {
     start_state(BYTES_STATE, "kvtier-key-bytes");
     start_state(STR_STATE, "kvtier-key-str");
-    if (PyType_Ready(&TableType) < 0 || PyType_Ready(&LinksType) < 0) return NULL;
+    if (PyType_Ready(&TableType) < 0 || PyType_Ready(&LinksType) < 0 || PyType_Ready(&StatesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&TableType);
     if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) {
         Py_DECREF(&TableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&StatesType);
+    if (PyModule_AddObject(m, "States", (PyObject *)&StatesType) < 0) {
+        Py_DECREF(&StatesType);
         Py_DECREF(m);
         return NULL;
     }

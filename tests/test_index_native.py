@@ -370,3 +370,122 @@ def test_c_slot_lists_under_an_lru_policy_pick_the_python_victims(lib, monkeypat
             getattr(py_lru, op)(arg)
             want = py_lru.victims(500)
         assert c_lru.victims(500) == want
+
+
+def _tier_snapshot(index) -> tuple:
+    """Every fact set_states keeps, after checking the ones it owns alone (counts, the free and
+    dirty lists; TierIndex.check adds the pool's rules for keys and the eviction order, which
+    these random walks do not follow)."""
+    from kvtier.index import PageState
+
+    states = [index.state[s] for s in range(index.capacity)]
+    assert [states.count(st) for st in PageState] == index.counts
+    assert sorted(index.free) == [s for s in range(index.capacity) if states[s] == PageState.FREE]
+    assert sorted(index.dirty.first(index.capacity)) == [s for s in range(index.capacity) if states[s] == PageState.DIRTY]
+    assert index.busy_slots == sum(1 for b in index.busy if b) and index.held == sum(1 for p in index.pins if p)
+    return (bytes(index.state), index.pins.tobytes(), index.busy.tobytes(), bytes(index.hits), list(index.counts),
+            index.busy_slots, index.held, index.free.tobytes(), index.dirty.first(index.capacity),
+            index.policy.victims(index.capacity),
+            index.table.get_many([index.table.id_of(s) for s in range(index.capacity) if index.table.holds_key(s)]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, seed):
+    """Random batches through set_states (every target state, copies starting and ending,
+    repeats, illegal moves, frees of held or busy slots), pins and unpins, takes and binds, on
+    two tier indexes: after every step the C one's states, pins, copies, hits, counts, free list,
+    dirty list, eviction order and keys are the Python one's, and a fault raises the same error
+    after the same partial changes."""
+    from kvtier.index import PageState, TierIndex, make_policy
+    from kvtier.index.states import LEGAL
+
+    rng = random.Random(seed)
+    cap = 300
+    c_index = TierIndex("t", cap, make_policy("lru", cap))
+    assert c_index._native() is not None
+    with monkeypatch.context() as m:
+        python_index_paths(m)
+        py_index = TierIndex("t", cap, make_policy("lru", cap))
+    ids = iter([rng.randbytes(16) for _ in range(100000)])
+    states = list(PageState)
+    counted = {"set_states": 0}
+    for step in range(400):
+        op = rng.random()
+        in_use = [s for s in range(cap) if c_index.state[s] != PageState.FREE]
+        if op < 0.2:
+            n = rng.randint(0, 80)
+            call = ("take_free", (n, rng.choice([PageState.FILLING, PageState.LOADING]), rng.choice([0, 0, 1])))
+        elif op < 0.3 and in_use:
+            unkeyed = [s for s in in_use if not c_index.table.holds_key(s)]
+            picked = rng.sample(unkeyed, min(len(unkeyed), rng.randint(1, 70)))
+            call = ("bind_all", (picked, [next(ids) for _ in picked]))
+        elif op < 0.4 and in_use:
+            picked = rng.sample(in_use, min(len(in_use), rng.randint(1, 40)))
+            call = (rng.choice(["pin_all", "unpin_all"]), (picked,))
+        elif in_use:
+            new, delta = rng.choice(states), rng.choice([0, 0, 1, -1])
+            fine = [s for s in in_use if LEGAL[c_index.state[s]][new] and c_index.busy[s] + delta >= 0
+                    and (new != PageState.FREE or (not c_index.pins[s] and not c_index.busy[s] + delta))]
+            if not fine:
+                continue
+            if rng.random() < 0.1 and delta == 0 and new != PageState.FREE and all(LEGAL[new][new] for _ in [0]):
+                picked = [rng.choice(fine) for _ in range(rng.randint(2, 60))]  # repeats: the loops apply them
+            else:
+                picked = rng.sample(fine, min(len(fine), rng.randint(1, 100)))
+            call = ("set_states", (np.asarray(picked) if rng.random() < 0.2 else picked, new, delta))
+            counted["set_states"] += 1
+        else:
+            continue
+        name, args = call
+        outcomes = []
+        for index, python in ((c_index, False), (py_index, True)):
+            with monkeypatch.context() as m:
+                if python:
+                    python_index_paths(m)
+                if name == "unpin_all":  # only slots the engine holds
+                    args = ([s for s in args[0] if index.pins[s]],)
+                try:
+                    got = getattr(index, name)(*args)
+                    outcomes.append(("ok", got))
+                except (AssertionError, RuntimeError, ValueError) as exc:
+                    outcomes.append((type(exc).__name__, str(exc)))
+        assert outcomes[0] == outcomes[1] and outcomes[0][0] == "ok", (step, name, outcomes)
+        want = _tier_snapshot(py_index)
+        assert _tier_snapshot(c_index) == want, (step, name)
+    assert counted["set_states"] > 150
+
+
+@pytest.mark.parametrize("fault", ["illegal", "held", "busy", "no copy"])
+def test_a_faulty_state_change_raises_the_python_error_on_the_c_path(lib, monkeypatch, fault):
+    """A batch with one slot that cannot move: the same error as the Python loops, after the
+    same partial changes (the C pass changes nothing and hands the batch to the loops)."""
+    from kvtier.index import PageState, TierIndex, make_policy
+
+    got = []
+    for python in (False, True):
+        with monkeypatch.context() as m:
+            if python:
+                python_index_paths(m)
+            index = TierIndex("t", 64, make_policy("lru", 64))
+            slots = index.take_free(20, PageState.FILLING)
+            index.bind_all(slots, [bytes([i]) * 16 for i in range(20)])
+            index.set_states(slots, PageState.DIRTY)
+            bad = slots[7]
+            if fault == "illegal":  # DIRTY -> LOADING
+                target, delta = PageState.LOADING, 0
+            elif fault == "held":
+                index.pin(bad)
+                target, delta = PageState.FREE, 0
+            elif fault == "busy":  # a copy reads the slot
+                index.set_states([bad], PageState.OFFLOADING, busy_delta=1)
+                index.set_states([s for s in slots if s != bad], PageState.OFFLOADING)
+                target, delta = PageState.FREE, 0
+            else:  # a copy ends that never started
+                index.set_states([s for s in slots if s != bad], PageState.OFFLOADING, busy_delta=1)
+                index.set_states([bad], PageState.OFFLOADING)
+                target, delta = PageState.RESIDENT, -1
+            with pytest.raises((AssertionError, RuntimeError)) as err:
+                index.set_states(slots, target, busy_delta=delta)
+            got.append((type(err.value).__name__, str(err.value), bytes(index.state), index.busy.tobytes(),
+                        index.pins.tobytes(), list(index.free)))
+    assert got[0] == got[1]

@@ -378,6 +378,16 @@ class KeyTable:
                 hole = b
             b = (b + 1) & mask
 
+    def unbind_many(self, slots) -> None:
+        """`unbind` of each slot, in order."""
+        c = self._c or self._native()
+        if c is not None:
+            self._len -= c.unbind_many(slots)
+            return
+        unbind = self.unbind
+        for slot in slots:
+            unbind(slot)
+
     def id_of(self, slot: int) -> bytes:
         """The key id `slot` holds; ValueError when it holds none."""
         if slot < 0:  # (a negative index would read another slot)
@@ -494,6 +504,12 @@ class DictKeyTable:
             del self._map[kid]
             self._ids[slot] = None
             self._keyed[slot] = 0
+
+    def unbind_many(self, slots) -> None:
+        """`unbind` of each slot, in order."""
+        unbind = self.unbind
+        for slot in slots:
+            unbind(slot)
 
     def id_of(self, slot: int) -> bytes:
         kid = self._ids[slot]

@@ -77,8 +77,9 @@ ID_CACHE_GENERATION = 1 << 15
 ID_CACHE_GENERATION_CHARS = 1 << 21
 ID_CACHE_MAX_KEY = 1 << 12
 # New keys are hashed and cached in one pass from this many keys a batch (below it, one at a
-# time costs no more).
+# time costs no more), or from _FILL_BATCH_C keys where the C paths hash them.
 _FILL_BATCH = 32
+_FILL_BATCH_C = 8
 _young: dict = {}
 _old: dict = {}
 _PLAIN = {bytes, str}
@@ -132,7 +133,10 @@ def key_ids(keys: Iterable[str | bytes], first: int = 0) -> list[bytes]:
     if None not in out:  # (only non-empty keys are ever cached)
         if set(map(type, keys)) <= _PLAIN:
             return out
-    elif len(out) >= _FILL_BATCH and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out):
+    elif (
+        len(out) >= (_FILL_BATCH_C if native.module() is not None else _FILL_BATCH)
+        and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out)
+    ):
         return out
     return _key_ids_each(keys, first)
 

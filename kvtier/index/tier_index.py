@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvtier.index import native
 from kvtier.index.eviction import EvictionPolicy
 from kvtier.index.key_table import MANY, DictKeyTable, KeyTable
 from kvtier.index.slot_list import BULK, SlotList
@@ -33,6 +34,9 @@ _HITS_MAX = 255
 _NP_EVICTABLE = np.array(_EVICTABLE)
 _NP_READABLE = np.array(_READABLE)
 _NP_LEGAL_TO = {new: np.array(row) for new, row in _LEGAL_TO.items()}
+# The same tables for the C paths (kvtier.index.native's States): legal[old * 6 + new].
+_C_LEGAL = bytes(LEGAL[old][new] for old in PageState for new in PageState)
+_C_EVICTABLE = bytes(_EVICTABLE)
 
 
 _POSITIONS = np.arange(1 << 16, dtype=np.int32)
@@ -68,6 +72,16 @@ class TierIndex:
         self._np_pins = np.frombuffer(self.pins, dtype=np.int32)
         self._np_busy = np.frombuffer(self.busy, dtype=np.int32)
         self._np_hits = np.frombuffer(self.hits, dtype=np.uint8)
+        self._c = None  # the C state changes of these arrays, once kvtier.index.native is loaded
+
+    def _native(self):
+        """The C state changes of this tier's arrays, or None while the C library is not loaded."""
+        c = self._c
+        if c is None:
+            lib = native.module()
+            if lib is not None:
+                c = self._c = lib.States(self.state, self.pins, self.busy, self.hits, _C_LEGAL, _C_EVICTABLE)
+        return c
 
     def _unique_slots(self, slots, distinct: bool = False) -> np.ndarray | None:
         """A long batch as an int64 array when no slot repeats in it (the numpy paths' condition),
@@ -168,9 +182,15 @@ class TierIndex:
         key and returns the slot to the free list. distinct: the caller knows no slot repeats
         (slots of distinct keys, or fresh from the free list), so a long batch skips that check.
         """
-        if not slots:
+        if not len(slots):
             return
-        if new != _FREE and len(slots) >= BULK and self._set_states_bulk(slots, new, busy_delta, distinct):
+        c = self._c or self._native()
+        if c is not None:
+            changes = c.set(slots, new, busy_delta)
+            if changes is not None:  # (else a repeat or a fault: the loops below apply or name it)
+                self._apply(changes, slots, new)
+                return
+        elif new != _FREE and len(slots) >= BULK and self._set_states_bulk(slots, new, busy_delta, distinct):
             return
         state, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
         legal, evictable, was_evictable = _LEGAL_TO[new], _EVICTABLE[new], _EVICTABLE
@@ -258,6 +278,28 @@ class TierIndex:
             else:
                 dirty.extend(listing)
         if removes:  # each loop above only adds or only removes
+            self.policy.remove_many(removes)
+        if adds:
+            self.policy.add_many(adds)
+
+    def _apply(self, changes: tuple, slots, new: PageState) -> None:
+        """The rest of `set_states` after its C pass changed the slots' states, copies and hits:
+        counts, the dirty list, keys and the free list of freed slots, the eviction order (in
+        the order the loops apply them)."""
+        left, adds, removes, undirty, freed, busy_change = changes
+        counts = self.counts
+        for st, n in enumerate(left):
+            counts[st] -= n
+        counts[new] += len(slots)
+        self.busy_slots += busy_change
+        if undirty:
+            self.dirty.discard_many(undirty)
+        if new == _DIRTY:
+            self.dirty.extend(slots)
+        if freed:
+            self.table.unbind_many(freed)
+            self.free.extend(freed)
+        if removes:
             self.policy.remove_many(removes)
         if adds:
             self.policy.add_many(adds)
