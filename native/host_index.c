@@ -677,6 +677,8 @@ fail_a:
     return -1;
 }
 
+static int repeats(States *st, const int64_t *slots, Py_ssize_t n);
+
 static int append_slot(PyObject *list, int64_t slot) {
     PyObject *num = PyLong_FromLongLong(slot);
     if (!num) return -1;
@@ -707,15 +709,11 @@ static PyObject *states_set(States *st, PyObject *args) {
     uint8_t *state = (uint8_t *)st->state.buf, *hits = (uint8_t *)st->hits.buf;
     int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
     PyObject *adds = NULL, *removes = NULL, *undirty = NULL, *freed = NULL, *out = NULL;
-    if (++st->call == 0) { /* wrapped: forget every mark */
-        memset(st->seen, 0, (size_t)st->capacity * sizeof(uint32_t));
-        st->call = 1;
-    }
+    if (repeats(st, slots, n)) goto python;
     for (Py_ssize_t i = 0; i < n; i++) { /* check everything before changing anything */
         int64_t slot = slots[i];
         uint8_t old = state[slot];
-        if (st->seen[slot] == st->call || old >= STATES || !st->legal[old * STATES + new_state]) goto python;
-        st->seen[slot] = st->call;
+        if (old >= STATES || !st->legal[old * STATES + new_state]) goto python;
         if (new_state == FREE_STATE) {
             if (pins[slot] || busy[slot] + delta) goto python;
         } else if (busy[slot] + delta < 0) {
@@ -789,8 +787,134 @@ fail: /* (only memory runs out here; the arrays are left as far as the loop went
     return NULL;
 }
 
+/* Marks `slots` as seen by a new call; 0, or 1 when one repeats (then the caller hands the
+   batch to the Python loops). */
+static int repeats(States *st, const int64_t *slots, Py_ssize_t n) {
+    if (++st->call == 0) {
+        memset(st->seen, 0, (size_t)st->capacity * sizeof(uint32_t));
+        st->call = 1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (st->seen[slots[i]] == st->call) return 1;
+        st->seen[slots[i]] = st->call;
+    }
+    return 0;
+}
+
+/* hold(slots, touch) -> int: a copy starts using each slot (busy + 1; with `touch`, hits + 1 up
+   to 255), in order, as TierIndex.hold_all's loop; how many slots were idle before. */
+static PyObject *states_hold(States *st, PyObject *args) {
+    PyObject *obj;
+    int touch;
+    if (!PyArg_ParseTuple(args, "Op", &obj, &touch)) return NULL;
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    int32_t *busy = (int32_t *)st->busy.buf;
+    uint8_t *hits = (uint8_t *)st->hits.buf;
+    Py_ssize_t idle = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        if (!busy[slot]) idle++;
+        busy[slot]++;
+        if (touch && hits[slot] < 255) hits[slot]++;
+    }
+    slots_done(&view, viewing, owned);
+    return PyLong_FromSsize_t(idle);
+}
+
+/* unhold(slots) -> None | (adds, idle): a copy stops using each of distinct slots that all
+   have one (else None, nothing changed: the loop names the slot); the slots that turn idle,
+   unheld and evictable (to join the eviction order, in order) and how many turned idle. */
+static PyObject *states_unhold(States *st, PyObject *obj) {
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    int32_t *busy = (int32_t *)st->busy.buf, *pins = (int32_t *)st->pins.buf;
+    const uint8_t *state = (const uint8_t *)st->state.buf;
+    PyObject *adds = NULL;
+    if (repeats(st, slots, n)) goto python;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (busy[slots[i]] < 1) goto python;
+    adds = PyList_New(0);
+    if (!adds) goto fail;
+    Py_ssize_t idle = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        if (--busy[slot]) continue;
+        idle++;
+        if (!pins[slot] && state[slot] < STATES && st->evictable[state[slot]] && append_slot(adds, slot) < 0) goto fail;
+    }
+    slots_done(&view, viewing, owned);
+    return Py_BuildValue("(Nn)", adds, idle);
+python:
+    slots_done(&view, viewing, owned);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(adds);
+    slots_done(&view, viewing, owned);
+    return NULL;
+}
+
+/* unpin(slots) -> None | (adds, idle_filling, unheld): one engine hold dropped from each of
+   distinct slots that all have one (else None, nothing changed: the loop names the slot); the
+   slots that turn unheld, idle and evictable (to join the eviction order), those left unheld and
+   idle in FILLING (the caller frees them), and how many turned unheld. */
+static PyObject *states_unpin(States *st, PyObject *obj) {
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    int32_t *busy = (int32_t *)st->busy.buf, *pins = (int32_t *)st->pins.buf;
+    const uint8_t *state = (const uint8_t *)st->state.buf;
+    PyObject *adds = NULL, *filling = NULL;
+    if (repeats(st, slots, n)) goto python;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (pins[slots[i]] < 1) goto python;
+    adds = PyList_New(0);
+    filling = PyList_New(0);
+    if (!adds || !filling) goto fail;
+    Py_ssize_t unheld = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        if (--pins[slot]) continue;
+        unheld++;
+        if (busy[slot]) continue;
+        uint8_t now = state[slot];
+        if (now < STATES && st->evictable[now]) {
+            if (append_slot(adds, slot) < 0) goto fail;
+        } else if (now == 1 /* FILLING */ && append_slot(filling, slot) < 0) {
+            goto fail;
+        }
+    }
+    slots_done(&view, viewing, owned);
+    return Py_BuildValue("(NNn)", adds, filling, unheld);
+python:
+    slots_done(&view, viewing, owned);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(adds);
+    Py_XDECREF(filling);
+    slots_done(&view, viewing, owned);
+    return NULL;
+}
+
 static PyMethodDef states_methods[] = {
     {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
+    {"hold", (PyCFunction)states_hold, METH_VARARGS, "hold(slots, touch) -> slots idle before"},
+    {"unhold", (PyCFunction)states_unhold, METH_O, "unhold(slots) -> None or (adds, idle)"},
+    {"unpin", (PyCFunction)states_unpin, METH_O, "unpin(slots) -> None or (adds, idle_filling, unheld)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -540,6 +540,17 @@ class TierIndex:
     def unpin_all(self, slots: Iterable[int]) -> list[int]:
         """Drop one engine hold on each slot (every one must be held); returns the slots left
         unheld in FILLING and idle, which the caller frees."""
+        c = self._c or self._native()
+        if c is not None:
+            if type(slots) not in (list, tuple) and not isinstance(slots, np.ndarray):
+                slots = list(slots)
+            done = c.unpin(slots)
+            if done is not None:  # (else a repeat, or a slot not held: the loop below)
+                adds, idle_filling, unheld = done
+                self.held -= unheld
+                if adds:
+                    self.policy.add_many(adds)
+                return idle_filling
         pins, state, busy = self.pins, self.state, self.busy
         adds: list[int] = []
         evictable, add = _EVICTABLE, adds.append
@@ -593,6 +604,13 @@ class TierIndex:
     def hold_all(self, slots: Iterable[int], touch: bool = False, distinct: bool = False) -> None:
         """A copy starts reading or writing each slot: none is evicted until `unhold_all`.
         distinct: the caller knows no slot repeats (as for `set_states`)."""
+        c = self._c or self._native()
+        if c is not None:
+            if type(slots) not in (list, tuple) and not isinstance(slots, np.ndarray):
+                slots = list(slots)
+            self.busy_slots += c.hold(slots, touch)
+            self.policy.remove_many(slots)
+            return
         at = self._unique_slots(slots, distinct)
         if at is not None:
             before = self._np_busy[at]
@@ -617,7 +635,18 @@ class TierIndex:
         self.policy.remove_many(slots if isinstance(slots, (list, tuple)) else list(slots))
 
     def unhold_all(self, slots: Iterable[int], distinct: bool = False) -> None:
-        at = self._unique_slots(slots, distinct)
+        c = self._c or self._native()
+        if c is not None:
+            if type(slots) not in (list, tuple) and not isinstance(slots, np.ndarray):
+                slots = list(slots)
+            done = c.unhold(slots)
+            if done is not None:  # (else a repeat, or a slot with no copy: the loop below)
+                adds, idle = done
+                self.busy_slots -= idle
+                if adds:
+                    self.policy.add_many(adds)
+                return
+        at = self._unique_slots(slots, distinct) if c is None else None
         if at is not None:
             left = self._np_busy[at] - 1
             if not (left < 0).any():  # else the loop names the slot
