@@ -173,6 +173,84 @@ fail:
     return NULL;
 }
 
+/* The id of a plain non-empty key (a new reference), or NULL with an error set. */
+static PyObject *id_of_key(PyObject *key) {
+    uint8_t id[ID_BYTES];
+    if (PyBytes_CheckExact(key)) {
+        digest(BYTES_STATE, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key), id);
+    } else if (PyUnicode_IS_ASCII(key)) {
+        digest(STR_STATE, (const uint8_t *)PyUnicode_DATA(key), (size_t)PyUnicode_GET_LENGTH(key), id);
+    } else {
+        PyObject *utf8 = PyUnicode_AsEncodedString(key, "utf-8", "surrogatepass");
+        if (!utf8) return NULL;
+        digest(STR_STATE, (const uint8_t *)PyBytes_AS_STRING(utf8), (size_t)PyBytes_GET_SIZE(utf8), id);
+        Py_DECREF(utf8);
+    }
+    return PyBytes_FromStringAndSize((const char *)id, ID_BYTES);
+}
+
+/* fill(keys, out, young, old, max_key, room, chars_room) -> int | None: kvtier.index.keys'
+   _fill_new. For each position of `out` (a list as long as `keys`) that holds None: the key's
+   id from the dict `old`, else hashed; every one of them cached in the dict `young` and written
+   to `out`. Returns how many characters (or bytes) the new keys hold; None, with nothing
+   changed, when a key is not a non-empty plain str or bytes, one is longer than `max_key`, they
+   are `room` keys or more, or hold `chars_room` characters or more (the cache turns over: the
+   Python loop does that). */
+static PyObject *fill(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *keys, *out, *young, *old;
+    Py_ssize_t max_key, room, chars_room;
+    if (!PyArg_ParseTuple(args, "OO!O!O!nnn", &keys, &PyList_Type, &out, &PyDict_Type, &young, &PyDict_Type, &old,
+                          &max_key, &room, &chars_room))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys must be a list or tuple");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (PyList_GET_SIZE(out) != n) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "out holds %zd ids for %zd keys", PyList_GET_SIZE(out), n);
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t count = 0, chars = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(out, i) != Py_None) continue;
+        PyObject *key = items[i];
+        Py_ssize_t len;
+        if (PyBytes_CheckExact(key)) len = PyBytes_GET_SIZE(key);
+        else if (PyUnicode_CheckExact(key)) len = PyUnicode_GET_LENGTH(key);
+        else goto python;
+        if (len == 0 || len > max_key) goto python;
+        chars += len;
+        count++;
+    }
+    if (count >= room || chars >= chars_room) goto python;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(out, i) != Py_None) continue;
+        PyObject *key = items[i];
+        PyObject *kid = PyDict_GetItemWithError(old, key);
+        if (kid) {
+            Py_INCREF(kid);
+        } else {
+            if (PyErr_Occurred()) goto fail;
+            kid = id_of_key(key);
+            if (!kid) goto fail;
+        }
+        if (PyDict_SetItem(young, key, kid) < 0) {
+            Py_DECREF(kid);
+            goto fail;
+        }
+        PyList_SetItem(out, i, kid); /* (steals the reference; drops the None) */
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(chars);
+python:
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* ---- the compact key table ---- */
 
 typedef struct {
@@ -1036,6 +1114,7 @@ static PyTypeObject LinksType = {
 };
 
 static PyMethodDef methods[] = {
+    {"fill", fill, METH_VARARGS, "fill(keys, out, young, old, max_key, room, chars_room) -> characters cached, or None"},
     {"ids", ids, METH_O, "ids(keys) -> list of 16-byte key ids, or None for a key that is not a non-empty plain str or bytes"},
     {NULL, NULL, 0, NULL},
 };

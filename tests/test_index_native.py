@@ -526,3 +526,42 @@ def test_letting_go_of_a_slot_not_held_raises_the_python_error_on_the_c_path(lib
             got.append((type(err.value).__name__, str(err.value), index.pins.tobytes(), index.busy.tobytes(),
                         index.held, index.busy_slots))
     assert got[0] == got[1]
+
+
+def test_the_id_cache_fills_and_turns_over_the_same_on_both_paths(lib, monkeypatch):
+    """Batches of new, cached and old-generation keys, keys too long to cache, and generations
+    turning over by count and by size: the C fill leaves the cache's generations and their sizes
+    exactly as the Python fill does, and every id is right."""
+    import kvtier.index.keys as keys_mod
+
+    monkeypatch.setattr(keys_mod, "ID_CACHE_GENERATION", 300)
+    monkeypatch.setattr(keys_mod, "ID_CACHE_GENERATION_CHARS", 20000)
+    monkeypatch.setattr(keys_mod, "ID_CACHE_MAX_KEY", 200)
+    rng = random.Random(12)
+    pool_of_keys = _random_keys(rng, 900)
+    batches = [rng.sample(pool_of_keys, rng.randint(1, 120)) for _ in range(60)]
+    # At the edges: a batch that fills the young generation to exactly its count, or its size
+    # (None: the cache emptied first): 292 keys then 8 more reach the count exactly; 100 keys of
+    # 19,801 bytes then 8 of 199 bytes reach the size exactly, or of 198 stop one short of it.
+    batches += [None, [f"a{i:03d}" for i in range(292)], [f"b{i:03d}" for i in range(8)],
+                None, [b"c" * 100] + [bytes([i]) * 199 for i in range(1, 100)],
+                [bytes([i]) * 24 + b"d" for i in range(7)] + [b"g" * 24],
+                None, [b"e" * 100] + [bytes([i]) * 199 for i in range(1, 100)],
+                [bytes([i]) * 24 + b"f" for i in range(7)] + [b"h" * 23]]
+    states = []
+    for python in (False, True):
+        with monkeypatch.context() as m:
+            if python:
+                python_index_paths(m)
+            clear_id_cache()
+            seen = []
+            for batch in batches:
+                if batch is None:
+                    clear_id_cache()
+                    continue
+                assert key_ids(batch) == [key_id(k) for k in batch]
+                seen.append((dict(keys_mod._young), dict(keys_mod._old), keys_mod._young_chars))
+            states.append(seen)
+    clear_id_cache()
+    assert states[0] == states[1]
+    assert any(len(old) for _, old, _ in states[0])  # the generations did turn over

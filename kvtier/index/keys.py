@@ -154,6 +154,14 @@ def _fill_new(keys: list, out: list) -> bool:
     when they would turn the generation over or a key is too long to cache (the loop does
     those one at a time)."""
     global _young_chars
+    lib = native.module()
+    if lib is not None:  # the same pass in C (native/host_index.c)
+        chars = lib.fill(keys, out, _young, _old, ID_CACHE_MAX_KEY, ID_CACHE_GENERATION - len(_young),
+                         ID_CACHE_GENERATION_CHARS - _young_chars)
+        if chars is None:
+            return False
+        _young_chars += chars
+        return True
     if out.count(None) == len(out):  # every key new (a commit): no positions to keep
         at, new = None, keys
     else:
@@ -165,14 +173,6 @@ def _fill_new(keys: list, out: list) -> bool:
             or _young_chars + chars >= ID_CACHE_GENERATION_CHARS):
         return False
     ids = list(map(_old.get, new))
-    lib = native.module()
-    if lib is not None and None in ids:  # in C: the same ids (native/host_index.c)
-        if ids.count(None) == len(ids):  # every key new (a commit)
-            ids = lib.ids(new) or ids  # (None only for a key that is not plain and non-empty)
-        else:
-            missing = [j for j, kid in enumerate(ids) if kid is None]
-            for j, kid in zip(missing, lib.ids([new[j] for j in missing]) or ()):
-                ids[j] = kid
     if None in ids:
         bytes_id, str_id = _BYTES_ID.copy, _STR_ID.copy
         for j, kid in enumerate(ids):
