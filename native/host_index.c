@@ -988,7 +988,90 @@ fail:
     return NULL;
 }
 
+/* reuse(slots, new, busy_delta) -> None | (left, undirty): TierIndex.reuse's loop over distinct
+   slots that are all evictable, unheld and idle (else None, nothing changed: the loop names the
+   slot): each slot's hits cleared, state `new`, `busy_delta` copies on it; how many slots left
+   each state and those that were DIRTY (the caller drops them from the dirty list and the
+   eviction order, and unbinds them, in order). */
+static PyObject *states_reuse(States *st, PyObject *args) {
+    PyObject *obj;
+    int new_state, delta;
+    if (!PyArg_ParseTuple(args, "Oii", &obj, &new_state, &delta)) return NULL;
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    if (new_state < 0 || new_state >= STATES) return PyErr_Format(PyExc_ValueError, "no state %d", new_state);
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    uint8_t *state = (uint8_t *)st->state.buf, *hits = (uint8_t *)st->hits.buf;
+    int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
+    PyObject *undirty = NULL, *counts = NULL;
+    if (repeats(st, slots, n)) goto python;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        if (state[slot] >= STATES || !st->evictable[state[slot]] || pins[slot] || busy[slot]) goto python;
+    }
+    undirty = PyList_New(0);
+    if (!undirty) goto fail;
+    Py_ssize_t left[STATES] = {0};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        uint8_t old = state[slot];
+        left[old]++;
+        if (old == DIRTY_STATE && append_slot(undirty, slot) < 0) goto fail;
+        hits[slot] = 0;
+        state[slot] = (uint8_t)new_state;
+        if (delta) busy[slot] = delta;
+    }
+    counts = PyList_New(STATES);
+    if (!counts) goto fail;
+    for (int k = 0; k < STATES; k++) {
+        PyObject *num = PyLong_FromSsize_t(left[k]);
+        if (!num) goto fail;
+        PyList_SET_ITEM(counts, k, num);
+    }
+    slots_done(&view, viewing, owned);
+    return Py_BuildValue("(NN)", counts, undirty);
+python:
+    slots_done(&view, viewing, owned);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(undirty);
+    Py_XDECREF(counts);
+    slots_done(&view, viewing, owned);
+    return NULL;
+}
+
+/* mark(slots, state, busy, pins): each slot's state, copies and holds set, no check (free
+   slots taken: TierIndex.take_free and take_loading). */
+static PyObject *states_mark(States *st, PyObject *args) {
+    PyObject *obj;
+    int new_state, busy_to, pins_to;
+    if (!PyArg_ParseTuple(args, "Oiii", &obj, &new_state, &busy_to, &pins_to)) return NULL;
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    if (new_state < 0 || new_state >= STATES) return PyErr_Format(PyExc_ValueError, "no state %d", new_state);
+    Py_buffer view;
+    int viewing;
+    const int64_t *slots;
+    int64_t *owned;
+    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
+    if (n < 0) return NULL;
+    uint8_t *state = (uint8_t *)st->state.buf;
+    int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        state[slots[i]] = (uint8_t)new_state;
+        busy[slots[i]] = busy_to;
+        pins[slots[i]] = pins_to;
+    }
+    slots_done(&view, viewing, owned);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef states_methods[] = {
+    {"reuse", (PyCFunction)states_reuse, METH_VARARGS, "reuse(slots, new, busy_delta) -> None or (left, undirty)"},
+    {"mark", (PyCFunction)states_mark, METH_VARARGS, "mark(slots, state, busy, pins)"},
     {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
     {"hold", (PyCFunction)states_hold, METH_VARARGS, "hold(slots, touch) -> slots idle before"},
     {"unhold", (PyCFunction)states_unhold, METH_O, "unhold(slots) -> None or (adds, idle)"},

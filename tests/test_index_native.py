@@ -412,7 +412,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
     ids = iter([rng.randbytes(16) for _ in range(100000)])
     states = list(PageState)
     counted = {"set_states": 0}
-    for step in range(400):
+    for step in range(600):
         op = rng.random()
         in_use = [s for s in range(cap) if c_index.state[s] != PageState.FREE]
         if op < 0.2:
@@ -427,7 +427,15 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
             if rng.random() < 0.2:
                 picked += picked[:3]  # a repeat: the loops apply it
             call = (rng.choice(["pin_all", "unpin_all"]), (picked,))
-        elif op < 0.5 and in_use:
+        elif op < 0.55 and in_use:
+            if rng.random() < 0.5:
+                call = ("take_loading", (min(len(c_index.free), rng.randint(0, 40)),))
+            else:
+                idle = [s for s in in_use if c_index.state[s] in (PageState.RESIDENT, PageState.DIRTY)
+                        and not c_index.pins[s] and not c_index.busy[s]]
+                picked = rng.sample(idle, min(len(idle), rng.randint(0, 40)))
+                call = ("reuse", (picked, PageState.LOADING, rng.choice([0, 1])))
+        elif op < 0.65 and in_use:
             picked = rng.sample(in_use, min(len(in_use), rng.randint(1, 60)))
             if rng.random() < 0.2:
                 picked += picked[:3]
@@ -469,7 +477,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
         assert outcomes[0] == outcomes[1] and outcomes[0][0] == "ok", (step, name, outcomes)
         want = _tier_snapshot(py_index)
         assert _tier_snapshot(c_index) == want, (step, name)
-    assert counted["set_states"] > 100
+    assert counted["set_states"] > 120
 
 
 @pytest.mark.parametrize("fault", ["illegal", "held", "busy", "no copy"])

@@ -374,7 +374,10 @@ class TierIndex:
         del free[len(free) - take :]
         # A free slot is unkeyed, unheld, idle and on no list, and FILLING and LOADING pages
         # join none: only its state and copies change.
-        if take >= BULK:
+        c = self._c or self._native()
+        if c is not None:
+            c.mark(slots, state, busy_delta, 0)
+        elif take >= BULK:
             at = np.array(slots, dtype=np.int64)
             self._np_state[at] = state
             if busy_delta:
@@ -406,7 +409,10 @@ class TierIndex:
         del free[len(free) - n :]
         state, pins, busy = self.state, self.pins, self.busy
         loading = int(S.LOADING)
-        if n >= BULK:  # free slots never repeat
+        c = self._c or self._native()
+        if c is not None:
+            c.mark(slots, loading, 1, 1)
+        elif n >= BULK:  # free slots never repeat
             at = np.array(slots, dtype=np.int64)
             self._np_state[at] = loading
             self._np_busy[at] = 1
@@ -426,7 +432,26 @@ class TierIndex:
         """Evict keyed, evictable slots (RESIDENT, or DIRTY pages the caller lets go) and hand
         them straight to a new page in `state` (LOADING), `busy_delta` copies on each: the same
         as moving them to FREE and taking them back, in one pass."""
-        if self._reuse_bulk(slots, state, busy_delta):
+        c = self._c or self._native()
+        if c is not None:
+            if type(slots) not in (list, tuple) and not isinstance(slots, np.ndarray):
+                slots = list(slots)
+            assert _LEGAL_TO[state][_FREE], f"{self.name}: FREE -> {PageState(state).name} is illegal"
+            done = c.reuse(slots, state, busy_delta)
+            if done is not None:  # (else a repeat, or a slot not evictable: the loop below)
+                left, undirty = done
+                self.policy.remove_many(slots)
+                if undirty:
+                    self.dirty.discard_many(undirty)
+                self.table.unbind_many(slots)
+                counts = self.counts
+                for st, n in enumerate(left):
+                    counts[st] -= n
+                counts[state] += len(slots)
+                if busy_delta:
+                    self.busy_slots += len(slots)
+                return
+        elif self._reuse_bulk(slots, state, busy_delta):
             return
         state_of, counts, pins, busy, dirty = self.state, self.counts, self.pins, self.busy, self.dirty
         unbind, hits, remove = self.table.unbind, self.hits, self.policy.remove
