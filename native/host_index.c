@@ -253,29 +253,6 @@ fail:
 
 /* ---- the compact key table ---- */
 
-typedef struct {
-    PyObject_HEAD
-    Py_buffer buckets, ids, bucket_of, home; /* int32, uint8 (16 a slot), int32, int32 */
-    int held;
-    uint64_t mask;
-    Py_ssize_t capacity;
-} Table;
-
-static void table_release(Table *t) {
-    if (t->held) {
-        PyBuffer_Release(&t->buckets);
-        PyBuffer_Release(&t->ids);
-        PyBuffer_Release(&t->bucket_of);
-        PyBuffer_Release(&t->home);
-        t->held = 0;
-    }
-}
-
-static void table_dealloc(Table *t) {
-    table_release(t);
-    Py_TYPE(t)->tp_free((PyObject *)t);
-}
-
 static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (view->len % itemsize) {
@@ -286,16 +263,57 @@ static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const c
     return 0;
 }
 
+/* The writable buffers of `k` objects (names and item sizes alongside): all held, or none with
+   an error set. */
+static int hold_all(PyObject *const *objs, Py_buffer *const *views, const Py_ssize_t *itemsizes,
+                    const char *const *names, int k) {
+    for (int i = 0; i < k; i++) {
+        if (writable(objs[i], views[i], itemsizes[i], names[i]) < 0) {
+            while (i--) PyBuffer_Release(views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_all(Py_buffer *const *views, int k) {
+    for (int i = 0; i < k; i++) PyBuffer_Release(views[i]);
+}
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buckets, ids, bucket_of, home; /* int32, uint8 (16 a slot), int32, int32 */
+    int held;
+    uint64_t mask;
+    Py_ssize_t capacity;
+} Table;
+
+#define TABLE_VIEWS(t) {&(t)->buckets, &(t)->ids, &(t)->bucket_of, &(t)->home}
+
+static void table_release(Table *t) {
+    if (t->held) {
+        Py_buffer *views[] = TABLE_VIEWS(t);
+        release_all(views, 4);
+        t->held = 0;
+    }
+}
+
+static void table_dealloc(Table *t) {
+    table_release(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
 static int table_init(Table *t, PyObject *args, PyObject *kw) {
     (void)kw;
     PyObject *b, *i, *bo, *h;
     unsigned long long mask;
     if (!PyArg_ParseTuple(args, "OOOOK", &b, &i, &bo, &h, &mask)) return -1;
     table_release(t);
-    if (writable(b, &t->buckets, 4, "buckets") < 0) return -1;
-    if (writable(i, &t->ids, ID_BYTES, "ids") < 0) goto fail_b;
-    if (writable(bo, &t->bucket_of, 4, "bucket_of") < 0) goto fail_i;
-    if (writable(h, &t->home, 4, "home") < 0) goto fail_bo;
+    PyObject *objs[] = {b, i, bo, h};
+    Py_buffer *views[] = TABLE_VIEWS(t);
+    const Py_ssize_t sizes[] = {4, ID_BYTES, 4, 4};
+    const char *names[] = {"buckets", "ids", "bucket_of", "home"};
+    if (hold_all(objs, views, sizes, names, 4) < 0) return -1;
     t->held = 1;
     t->mask = mask;
     t->capacity = t->bucket_of.len / 4;
@@ -306,13 +324,6 @@ static int table_init(Table *t, PyObject *args, PyObject *kw) {
         return -1;
     }
     return 0;
-fail_bo:
-    PyBuffer_Release(&t->bucket_of);
-fail_i:
-    PyBuffer_Release(&t->ids);
-fail_b:
-    PyBuffer_Release(&t->buckets);
-    return -1;
 }
 
 /* The slot holding the 16-byte id `kid` (home bucket `home`), or EMPTY; with `at`, the bucket
@@ -559,12 +570,12 @@ typedef struct {
     Py_ssize_t capacity;
 } Links;
 
+#define LINKS_VIEWS(l) {&(l)->next, &(l)->prev, &(l)->member, &(l)->stamp}
+
 static void links_release(Links *l) {
     if (l->held) {
-        PyBuffer_Release(&l->next);
-        PyBuffer_Release(&l->prev);
-        PyBuffer_Release(&l->member);
-        PyBuffer_Release(&l->stamp);
+        Py_buffer *views[] = LINKS_VIEWS(l);
+        release_all(views, 4);
         l->held = 0;
     }
 }
@@ -579,10 +590,11 @@ static int links_init(Links *l, PyObject *args, PyObject *kw) {
     PyObject *n, *p, *m, *s;
     if (!PyArg_ParseTuple(args, "OOOO", &n, &p, &m, &s)) return -1;
     links_release(l);
-    if (writable(n, &l->next, 4, "next") < 0) return -1;
-    if (writable(p, &l->prev, 4, "prev") < 0) goto fail_n;
-    if (writable(m, &l->member, 1, "member") < 0) goto fail_p;
-    if (writable(s, &l->stamp, 8, "stamp") < 0) goto fail_m;
+    PyObject *objs[] = {n, p, m, s};
+    Py_buffer *views[] = LINKS_VIEWS(l);
+    const Py_ssize_t sizes[] = {4, 4, 1, 8};
+    const char *names[] = {"next", "prev", "member", "stamp"};
+    if (hold_all(objs, views, sizes, names, 4) < 0) return -1;
     l->held = 1;
     l->capacity = l->stamp.len / 8;
     if (l->next.len != (l->capacity + 1) * 4 || l->prev.len != l->next.len || l->member.len != l->capacity + 1) {
@@ -591,13 +603,6 @@ static int links_init(Links *l, PyObject *args, PyObject *kw) {
         return -1;
     }
     return 0;
-fail_m:
-    PyBuffer_Release(&l->member);
-fail_p:
-    PyBuffer_Release(&l->prev);
-fail_n:
-    PyBuffer_Release(&l->next);
-    return -1;
 }
 
 /* The slots of `obj` as int64s: an int64 buffer (a numpy array) read in place, else a sequence
@@ -662,17 +667,31 @@ static void slots_done(Py_buffer *view, int viewing, int64_t *owned) {
     PyMem_Free(owned);
 }
 
-static PyObject *table_unbind_many(Table *t, PyObject *obj) {
-    if (check_held(t) < 0) return NULL;
+/* A slots argument as the methods below take it: `at[0..n)`, read in place or copied. */
+typedef struct {
     Py_buffer view;
     int viewing;
-    const int64_t *slots;
+    const int64_t *at;
     int64_t *owned;
-    Py_ssize_t n = slots_of(obj, t->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Py_ssize_t n;
+} Slots;
+
+static int slots_arg(PyObject *obj, Py_ssize_t capacity, Slots *arg) {
+    arg->n = slots_of(obj, capacity, &arg->view, &arg->viewing, &arg->at, &arg->owned);
+    return arg->n < 0 ? -1 : 0;
+}
+
+static void slots_release(Slots *arg) { slots_done(&arg->view, arg->viewing, arg->owned); }
+
+static PyObject *table_unbind_many(Table *t, PyObject *obj) {
+    if (check_held(t) < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, t->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     Py_ssize_t held = 0;
     for (Py_ssize_t i = 0; i < n; i++) held += unbind_one(t, (long)slots[i]);
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return PyLong_FromSsize_t(held);
 }
 
@@ -693,12 +712,12 @@ typedef struct {
     uint32_t call;
 } States;
 
+#define STATES_VIEWS(st) {&(st)->state, &(st)->pins, &(st)->busy, &(st)->hits}
+
 static void states_release(States *st) {
     if (st->held) {
-        PyBuffer_Release(&st->state);
-        PyBuffer_Release(&st->pins);
-        PyBuffer_Release(&st->busy);
-        PyBuffer_Release(&st->hits);
+        Py_buffer *views[] = STATES_VIEWS(st);
+        release_all(views, 4);
         st->held = 0;
     }
     PyMem_Free(st->seen);
@@ -727,10 +746,11 @@ static int states_init(States *st, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "States: legal must be 36 bytes and evictable 6");
         return -1;
     }
-    if (writable(a, &st->state, 1, "state") < 0) return -1;
-    if (writable(p, &st->pins, 4, "pins") < 0) goto fail_a;
-    if (writable(b, &st->busy, 4, "busy") < 0) goto fail_p;
-    if (writable(h, &st->hits, 1, "hits") < 0) goto fail_b;
+    PyObject *objs[] = {a, p, b, h};
+    Py_buffer *views[] = STATES_VIEWS(st);
+    const Py_ssize_t sizes[] = {1, 4, 4, 1};
+    const char *names[] = {"state", "pins", "busy", "hits"};
+    if (hold_all(objs, views, sizes, names, 4) < 0) return -1;
     st->held = 1;
     st->capacity = st->state.len;
     if (st->pins.len != st->capacity * 4 || st->busy.len != st->capacity * 4 || st->hits.len != st->capacity) {
@@ -746,16 +766,24 @@ static int states_init(States *st, PyObject *args, PyObject *kw) {
         return -1;
     }
     return 0;
-fail_b:
-    PyBuffer_Release(&st->busy);
-fail_p:
-    PyBuffer_Release(&st->pins);
-fail_a:
-    PyBuffer_Release(&st->state);
-    return -1;
 }
 
 static int repeats(States *st, const int64_t *slots, Py_ssize_t n);
+
+/* [left[0], ..., left[STATES - 1]] as a list, or NULL with an error set. */
+static PyObject *state_counts(const Py_ssize_t *left) {
+    PyObject *counts = PyList_New(STATES);
+    if (!counts) return NULL;
+    for (int k = 0; k < STATES; k++) {
+        PyObject *num = PyLong_FromSsize_t(left[k]);
+        if (!num) {
+            Py_DECREF(counts);
+            return NULL;
+        }
+        PyList_SET_ITEM(counts, k, num);
+    }
+    return counts;
+}
 
 static int append_slot(PyObject *list, int64_t slot) {
     PyObject *num = PyLong_FromLongLong(slot);
@@ -778,12 +806,10 @@ static PyObject *states_set(States *st, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Oii", &obj, &new_state, &delta)) return NULL;
     if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
     if (new_state < 0 || new_state >= STATES) return PyErr_Format(PyExc_ValueError, "no state %d", new_state);
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     uint8_t *state = (uint8_t *)st->state.buf, *hits = (uint8_t *)st->hits.buf;
     int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
     PyObject *adds = NULL, *removes = NULL, *undirty = NULL, *freed = NULL, *out = NULL;
@@ -840,28 +866,20 @@ static PyObject *states_set(States *st, PyObject *args) {
             if (evictable_new && !pins[slot] && append_slot(adds, slot) < 0) goto fail;
         }
     }
-    PyObject *counts = PyList_New(STATES);
+    PyObject *counts = state_counts(left);
     if (!counts) goto fail;
-    for (int k = 0; k < STATES; k++) {
-        PyObject *num = PyLong_FromSsize_t(left[k]);
-        if (!num) {
-            Py_DECREF(counts);
-            goto fail;
-        }
-        PyList_SET_ITEM(counts, k, num);
-    }
     out = Py_BuildValue("(NNNNNl)", counts, adds, removes, undirty, freed, busy_change);
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return out;
 python:
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     Py_RETURN_NONE;
 fail: /* (only memory runs out here; the arrays are left as far as the loop went) */
     Py_XDECREF(adds);
     Py_XDECREF(removes);
     Py_XDECREF(undirty);
     Py_XDECREF(freed);
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return NULL;
 }
 
@@ -886,12 +904,10 @@ static PyObject *states_hold(States *st, PyObject *args) {
     int touch;
     if (!PyArg_ParseTuple(args, "Op", &obj, &touch)) return NULL;
     if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     int32_t *busy = (int32_t *)st->busy.buf;
     uint8_t *hits = (uint8_t *)st->hits.buf;
     Py_ssize_t idle = 0;
@@ -901,7 +917,7 @@ static PyObject *states_hold(States *st, PyObject *args) {
         busy[slot]++;
         if (touch && hits[slot] < 255) hits[slot]++;
     }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return PyLong_FromSsize_t(idle);
 }
 
@@ -910,12 +926,10 @@ static PyObject *states_hold(States *st, PyObject *args) {
    unheld and evictable (to join the eviction order, in order) and how many turned idle. */
 static PyObject *states_unhold(States *st, PyObject *obj) {
     if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     int32_t *busy = (int32_t *)st->busy.buf, *pins = (int32_t *)st->pins.buf;
     const uint8_t *state = (const uint8_t *)st->state.buf;
     PyObject *adds = NULL;
@@ -931,14 +945,14 @@ static PyObject *states_unhold(States *st, PyObject *obj) {
         idle++;
         if (!pins[slot] && state[slot] < STATES && st->evictable[state[slot]] && append_slot(adds, slot) < 0) goto fail;
     }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return Py_BuildValue("(Nn)", adds, idle);
 python:
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(adds);
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return NULL;
 }
 
@@ -948,12 +962,10 @@ fail:
    idle in FILLING (the caller frees them), and how many turned unheld. */
 static PyObject *states_unpin(States *st, PyObject *obj) {
     if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     int32_t *busy = (int32_t *)st->busy.buf, *pins = (int32_t *)st->pins.buf;
     const uint8_t *state = (const uint8_t *)st->state.buf;
     PyObject *adds = NULL, *filling = NULL;
@@ -976,15 +988,15 @@ static PyObject *states_unpin(States *st, PyObject *obj) {
             goto fail;
         }
     }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return Py_BuildValue("(NNn)", adds, filling, unheld);
 python:
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(adds);
     Py_XDECREF(filling);
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return NULL;
 }
 
@@ -999,12 +1011,10 @@ static PyObject *states_reuse(States *st, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Oii", &obj, &new_state, &delta)) return NULL;
     if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
     if (new_state < 0 || new_state >= STATES) return PyErr_Format(PyExc_ValueError, "no state %d", new_state);
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     uint8_t *state = (uint8_t *)st->state.buf, *hits = (uint8_t *)st->hits.buf;
     int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
     PyObject *undirty = NULL, *counts = NULL;
@@ -1025,22 +1035,17 @@ static PyObject *states_reuse(States *st, PyObject *args) {
         state[slot] = (uint8_t)new_state;
         if (delta) busy[slot] = delta;
     }
-    counts = PyList_New(STATES);
+    counts = state_counts(left);
     if (!counts) goto fail;
-    for (int k = 0; k < STATES; k++) {
-        PyObject *num = PyLong_FromSsize_t(left[k]);
-        if (!num) goto fail;
-        PyList_SET_ITEM(counts, k, num);
-    }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return Py_BuildValue("(NN)", counts, undirty);
 python:
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(undirty);
     Py_XDECREF(counts);
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return NULL;
 }
 
@@ -1052,12 +1057,10 @@ static PyObject *states_mark(States *st, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Oiii", &obj, &new_state, &busy_to, &pins_to)) return NULL;
     if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
     if (new_state < 0 || new_state >= STATES) return PyErr_Format(PyExc_ValueError, "no state %d", new_state);
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, st->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     uint8_t *state = (uint8_t *)st->state.buf;
     int32_t *pins = (int32_t *)st->pins.buf, *busy = (int32_t *)st->busy.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1065,7 +1068,7 @@ static PyObject *states_mark(States *st, PyObject *args) {
         busy[slots[i]] = busy_to;
         pins[slots[i]] = pins_to;
     }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     Py_RETURN_NONE;
 }
 
@@ -1097,12 +1100,10 @@ static PyObject *links_append(Links *l, PyObject *args) {
     long long now;
     if (!PyArg_ParseTuple(args, "OL", &obj, &now)) return NULL;
     if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, l->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, l->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     int32_t *nxt = (int32_t *)l->next.buf, *prv = (int32_t *)l->prev.buf;
     uint8_t *member = (uint8_t *)l->member.buf;
     int64_t *stamp = (int64_t *)l->stamp.buf;
@@ -1125,19 +1126,17 @@ static PyObject *links_append(Links *l, PyObject *args) {
         nxt[slot] = head;
         prv[head] = slot;
     }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return PyLong_FromSsize_t(added);
 }
 
 /* discard(slots) -> int: the listed ones leave (the order of the rest stays); how many left. */
 static PyObject *links_discard(Links *l, PyObject *obj) {
     if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
-    Py_buffer view;
-    int viewing;
-    const int64_t *slots;
-    int64_t *owned;
-    Py_ssize_t n = slots_of(obj, l->capacity, &view, &viewing, &slots, &owned);
-    if (n < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, l->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
     int32_t *nxt = (int32_t *)l->next.buf, *prv = (int32_t *)l->prev.buf;
     uint8_t *member = (uint8_t *)l->member.buf;
     Py_ssize_t gone = 0;
@@ -1151,7 +1150,7 @@ static PyObject *links_discard(Links *l, PyObject *obj) {
             gone++;
         }
     }
-    slots_done(&view, viewing, owned);
+    slots_release(&arg);
     return PyLong_FromSsize_t(gone);
 }
 

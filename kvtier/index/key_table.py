@@ -65,12 +65,7 @@ class KeyTable:
 
     def _native(self):
         """The C probes of this table's buffers, or None while the C library is not loaded."""
-        c = self._c
-        if c is None:
-            lib = native.module()
-            if lib is not None:
-                c = self._c = lib.Table(self._buckets, self._ids, self._bucket_of, self._home, self._mask)
-        return c
+        return native.attach(self, "Table", self._buckets, self._ids, self._bucket_of, self._home, self._mask)
 
     def __len__(self) -> int:
         return self._len

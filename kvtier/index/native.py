@@ -154,6 +154,14 @@ def start(wait: bool = False):
     return _module
 
 
+def attach(owner, kind: str, *buffers):
+    """`owner`'s C view of its own arrays (`owner._c`): the extension's `kind` (Table, Links,
+    States) over `buffers`, made once the library is loaded; None before."""
+    if owner._c is None and _module is not None:
+        owner._c = getattr(_module, kind)(*buffers)
+    return owner._c
+
+
 def module():
     """The loaded extension, or None (Python paths). Cheap: callers ask per call."""
     return _module

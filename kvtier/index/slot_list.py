@@ -78,12 +78,7 @@ class SlotList:
 
     def _native(self):
         """The C links of this list's arrays, or None while the C library is not loaded."""
-        c = self._c
-        if c is None:
-            lib = native.module()
-            if lib is not None:
-                c = self._c = lib.Links(self._next, self._prev, self._member, self._stamp)
-        return c
+        return native.attach(self, "Links", self._next, self._prev, self._member, self._stamp)
 
     def _append_c(self, c, slots) -> None:
         self._len += c.append(slots, self._stamps)

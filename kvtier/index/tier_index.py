@@ -76,12 +76,7 @@ class TierIndex:
 
     def _native(self):
         """The C state changes of this tier's arrays, or None while the C library is not loaded."""
-        c = self._c
-        if c is None:
-            lib = native.module()
-            if lib is not None:
-                c = self._c = lib.States(self.state, self.pins, self.busy, self.hits, _C_LEGAL, _C_EVICTABLE)
-        return c
+        return native.attach(self, "States", self.state, self.pins, self.busy, self.hits, _C_LEGAL, _C_EVICTABLE)
 
     def _unique_slots(self, slots, distinct: bool = False) -> np.ndarray | None:
         """A long batch as an int64 array when no slot repeats in it (the numpy paths' condition),
