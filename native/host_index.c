@@ -1,21 +1,25 @@
-/* kvtier's host-side batch paths in C: key ids and the compact key table's probes.
+/* kvtier's host-side batch paths in C: key ids, the compact key table, the slot lists and the
+   page states of kvtier.index.
 
    Built at first use by kvtier.index.native (the system C compiler, Python's headers) and kept
-   on disk; every function here has a Python twin that gives the same results, and the tests run
-   both on the same inputs. Nothing here owns state: a Table wraps the buffers of one
-   kvtier.index.key_table.KeyTable (its buckets, ids, bucket of each slot and home of each slot)
-   and changes them exactly as the Python code would, so the two paths may be mixed on one table.
+   on disk; every function here has a Python twin that gives the same results, and the tests
+   (tests/test_index_native.py) run both on the same inputs. The types own no index state: each
+   wraps the arrays of one Python object and changes them exactly as its Python code would, so
+   the two paths may be mixed on one object.
 
-   ids(keys): BLAKE2b (RFC 7693) with a 16-byte digest and the key's type in the
-   personalization, "kvtier-key-bytes" for bytes and "kvtier-key-str" for str (its UTF-8 bytes,
-   surrogates passed), as kvtier.index.keys.key_id. None when a key is not a non-empty plain str
-   or bytes object: the Python path then names it.
+   fill(...): the key-id cache's batch fill (kvtier.index.keys._fill_new). A key's id is BLAKE2b
+   (RFC 7693) with a 16-byte digest and the key's type in the personalization,
+   "kvtier-key-bytes" for bytes and "kvtier-key-str" for str (its UTF-8 bytes, surrogates
+   passed), as kvtier.index.keys.key_id.
 
-   Table(buckets, ids, bucket_of, home, mask): the probes of KeyTable with Python's hash of each
+   Table(buckets, ids, bucket_of, home, mask): the probes of a KeyTable with Python's hash of each
    16-byte id (the same SipHash the Python code uses, cached in the bytes object).
 
-   Links(next, prev, member, stamp): the links of one kvtier.index.slot_list.SlotList, appended
-   and unlinked one slot after the other as its one-at-a-time paths do. */
+   Links(next, prev, member, stamp): the links of a SlotList, appended and unlinked one slot
+   after the other as its one-at-a-time paths do.
+
+   States(state, pins, busy, hits, legal, evictable): a TierIndex's state changes, holds, copy
+   ends, unpins and reuse; it keeps only a scratch array to find repeated slots. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -121,56 +125,6 @@ static void digest(const uint64_t start[8], const uint8_t *data, size_t len, uin
     memcpy(last, data + done, len - done);
     compress(h, last, (uint64_t)len, 1);
     memcpy(out, h, ID_BYTES);
-}
-
-/* ids(keys: list | tuple) -> list[bytes] | None */
-static PyObject *ids(PyObject *self, PyObject *keys) {
-    (void)self;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a list or tuple");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
-    if (!out) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    uint8_t id[ID_BYTES];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = items[i];
-        PyObject *kid;
-        if (PyBytes_CheckExact(key)) {
-            Py_ssize_t len = PyBytes_GET_SIZE(key);
-            if (len == 0) goto not_plain;
-            digest(BYTES_STATE, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)len, id);
-        } else if (PyUnicode_CheckExact(key)) {
-            Py_ssize_t len = PyUnicode_GET_LENGTH(key);
-            if (len == 0) goto not_plain;
-            if (PyUnicode_IS_ASCII(key)) {
-                digest(STR_STATE, (const uint8_t *)PyUnicode_DATA(key), (size_t)len, id);
-            } else {
-                PyObject *utf8 = PyUnicode_AsEncodedString(key, "utf-8", "surrogatepass");
-                if (!utf8) goto fail;
-                digest(STR_STATE, (const uint8_t *)PyBytes_AS_STRING(utf8), (size_t)PyBytes_GET_SIZE(utf8), id);
-                Py_DECREF(utf8);
-            }
-        } else {
-            goto not_plain;
-        }
-        kid = PyBytes_FromStringAndSize((const char *)id, ID_BYTES);
-        if (!kid) goto fail;
-        PyList_SET_ITEM(out, i, kid);
-    }
-    Py_DECREF(seq);
-    return out;
-not_plain:
-    Py_DECREF(seq);
-    Py_DECREF(out);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(out);
-    return NULL;
 }
 
 /* The id of a plain non-empty key (a new reference), or NULL with an error set. */
@@ -505,37 +459,9 @@ static PyObject *table_unbind(Table *t, PyObject *arg) {
     return PyBool_FromLong(unbind_one(t, slot));
 }
 
-/* ids_of(slots) -> list[bytes] | int: the id each slot holds, in order; where a slot is out of
-   range or holds no key, its position instead (KeyTable.ids_of names it). */
-static PyObject *table_ids_of(Table *t, PyObject *slots) {
-    if (check_held(t) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(slots, "slots must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    const int32_t *bucket_of = (const int32_t *)t->bucket_of.buf;
-    const char *ids = (const char *)t->ids.buf;
-    PyObject *out = PyList_New(n);
-    if (!out) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long slot = PyLong_AsLong(items[i]);
-        if (slot == -1 && PyErr_Occurred()) goto fail;
-        if (slot < 0 || slot >= t->capacity || bucket_of[slot] == EMPTY) {
-            Py_DECREF(out);
-            Py_DECREF(seq);
-            return PyLong_FromSsize_t(i);
-        }
-        PyObject *kid = PyBytes_FromStringAndSize(ids + (size_t)slot * ID_BYTES, ID_BYTES);
-        if (!kid) goto fail;
-        PyList_SET_ITEM(out, i, kid);
-    }
-    Py_DECREF(seq);
-    return out;
-fail:
-    Py_XDECREF(out);
-    Py_DECREF(seq);
-    return NULL;
-}
+/* ids_of(slots) -> list[bytes] | int: the id each slot holds, in order; where a slot holds no
+   key, its position instead (KeyTable.ids_of names it). */
+static PyObject *table_ids_of(Table *t, PyObject *obj);
 
 /* unbind_many(slots) -> int: unbind of each slot in order; how many held a key. */
 static PyObject *table_unbind_many(Table *t, PyObject *obj);
@@ -605,69 +531,8 @@ static int links_init(Links *l, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* The slots of `obj` as int64s: an int64 buffer (a numpy array) read in place, else a sequence
-   of ints copied into `*owned` (freed by the caller). -1 with an error set, e.g. for a slot out
-   of [0, capacity). */
-static Py_ssize_t slots_of(PyObject *obj, Py_ssize_t capacity, Py_buffer *view, int *viewing,
-                           const int64_t **out, int64_t **owned) {
-    *viewing = 0;
-    *owned = NULL;
-    Py_ssize_t n;
-    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
-        const char *f = view->format ? view->format : "B";
-        if (view->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "<q") == 0
-                                    || strcmp(f, "<l") == 0 || strcmp(f, "=q") == 0 || strcmp(f, "=l") == 0)) {
-            *viewing = 1;
-            *out = (const int64_t *)view->buf;
-            n = view->len / 8;
-            goto check;
-        }
-        PyBuffer_Release(view);
-    }
-    PyErr_Clear();
-    {
-        PyObject *seq = PySequence_Fast(obj, "slots must be a sequence of ints");
-        if (!seq) return -1;
-        n = PySequence_Fast_GET_SIZE(seq);
-        PyObject **items = PySequence_Fast_ITEMS(seq);
-        *owned = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-        if (!*owned) {
-            Py_DECREF(seq);
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            long long v = PyLong_AsLongLong(items[i]);
-            if (v == -1 && PyErr_Occurred()) {
-                Py_DECREF(seq);
-                PyMem_Free(*owned);
-                *owned = NULL;
-                return -1;
-            }
-            (*owned)[i] = v;
-        }
-        Py_DECREF(seq);
-        *out = *owned;
-    }
-check:
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if ((*out)[i] < 0 || (*out)[i] >= capacity) {
-            PyErr_Format(PyExc_IndexError, "slot %lld out of range [0, %zd)", (long long)(*out)[i], capacity);
-            if (*viewing) PyBuffer_Release(view);
-            PyMem_Free(*owned);
-            *owned = NULL;
-            return -1;
-        }
-    }
-    return n;
-}
-
-static void slots_done(Py_buffer *view, int viewing, int64_t *owned) {
-    if (viewing) PyBuffer_Release(view);
-    PyMem_Free(owned);
-}
-
-/* A slots argument as the methods below take it: `at[0..n)`, read in place or copied. */
+/* A slots argument: `at[0..n)` as int64s, an int64 buffer (a numpy array) read in place, else a
+   sequence of ints copied into `owned`. */
 typedef struct {
     Py_buffer view;
     int viewing;
@@ -676,12 +541,89 @@ typedef struct {
     Py_ssize_t n;
 } Slots;
 
-static int slots_arg(PyObject *obj, Py_ssize_t capacity, Slots *arg) {
-    arg->n = slots_of(obj, capacity, &arg->view, &arg->viewing, &arg->at, &arg->owned);
-    return arg->n < 0 ? -1 : 0;
+static void slots_release(Slots *arg) {
+    if (arg->viewing) PyBuffer_Release(&arg->view);
+    PyMem_Free(arg->owned);
+    arg->viewing = 0;
+    arg->owned = NULL;
 }
 
-static void slots_release(Slots *arg) { slots_done(&arg->view, arg->viewing, arg->owned); }
+/* Reads `obj` into `arg`; -1 with an error set (nothing held), e.g. for a slot out of
+   [0, capacity). */
+static int slots_arg(PyObject *obj, Py_ssize_t capacity, Slots *arg) {
+    arg->viewing = 0;
+    arg->owned = NULL;
+    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, &arg->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+        const char *f = arg->view.format ? arg->view.format : "B";
+        if (arg->view.itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "<q") == 0
+                                        || strcmp(f, "<l") == 0 || strcmp(f, "=q") == 0 || strcmp(f, "=l") == 0)) {
+            arg->viewing = 1;
+            arg->at = (const int64_t *)arg->view.buf;
+            arg->n = arg->view.len / 8;
+        } else {
+            PyBuffer_Release(&arg->view);
+        }
+    }
+    if (!arg->viewing) {
+        PyErr_Clear();
+        PyObject *seq = PySequence_Fast(obj, "slots must be a sequence of ints");
+        if (!seq) return -1;
+        arg->n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        arg->owned = PyMem_Malloc((size_t)(arg->n ? arg->n : 1) * sizeof(int64_t));
+        if (!arg->owned) {
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < arg->n; i++) {
+            long long v = PyLong_AsLongLong(items[i]);
+            if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                slots_release(arg);
+                return -1;
+            }
+            arg->owned[i] = v;
+        }
+        Py_DECREF(seq);
+        arg->at = arg->owned;
+    }
+    for (Py_ssize_t i = 0; i < arg->n; i++) {
+        if (arg->at[i] < 0 || arg->at[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "slot %lld out of range [0, %zd)", (long long)arg->at[i], capacity);
+            slots_release(arg);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *table_ids_of(Table *t, PyObject *obj) {
+    if (check_held(t) < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, t->capacity, &arg) < 0) return NULL;
+    const int32_t *bucket_of = (const int32_t *)t->bucket_of.buf;
+    const char *ids = (const char *)t->ids.buf;
+    PyObject *out = PyList_New(arg.n);
+    if (!out) goto done;
+    for (Py_ssize_t i = 0; i < arg.n; i++) {
+        int64_t slot = arg.at[i];
+        if (bucket_of[slot] == EMPTY) {
+            Py_DECREF(out);
+            out = PyLong_FromSsize_t(i);
+            goto done;
+        }
+        PyObject *kid = PyBytes_FromStringAndSize(ids + (size_t)slot * ID_BYTES, ID_BYTES);
+        if (!kid) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, kid);
+    }
+done:
+    slots_release(&arg);
+    return out;
+}
 
 static PyObject *table_unbind_many(Table *t, PyObject *obj) {
     if (check_held(t) < 0) return NULL;
@@ -1197,7 +1139,6 @@ static PyTypeObject LinksType = {
 
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS, "fill(keys, out, young, old, max_key, room, chars_room) -> characters cached, or None"},
-    {"ids", ids, METH_O, "ids(keys) -> list of 16-byte key ids, or None for a key that is not a non-empty plain str or bytes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,14 +48,33 @@ def _random_keys(rng: random.Random, n: int) -> list:
     return out
 
 
+def _on_both_paths(monkeypatch, run) -> list:
+    """[run() on the C paths, run() on the Python paths]."""
+    got = []
+    for python in (False, True):
+        with monkeypatch.context() as m:
+            if python:
+                python_index_paths(m)
+            got.append(run())
+    return got
+
+
+def _c_ids(lib, keys):
+    """The ids the C fill gives `keys` into an empty cache (None where it leaves them to Python)."""
+    out = [None] * len(keys)
+    if lib.fill(keys, out, {}, {}, 1 << 30, 1 << 30, 1 << 40) is None:
+        return None
+    return out
+
+
 def test_c_key_ids_are_the_python_ids(lib):
     rng = random.Random(1)
     keys = _random_keys(rng, 3000) + ["abc", b"abc", "a" * 128, b"a" * 128, "\ud800", "é"]
-    assert lib.ids(keys) == [key_id(k) for k in keys]
-    assert lib.ids(tuple(keys[:10])) == [key_id(k) for k in keys[:10]]
-    assert lib.ids([]) == []
+    assert _c_ids(lib, keys) == [key_id(k) for k in keys]
+    assert _c_ids(lib, tuple(keys[:10])) == [key_id(k) for k in keys[:10]]
+    assert _c_ids(lib, []) == []
     # "abc" and b"abc" keep two ids
-    assert lib.ids(["abc"]) != lib.ids([b"abc"])
+    assert _c_ids(lib, ["abc"]) != _c_ids(lib, [b"abc"])
 
 
 class _Bytes(bytes):
@@ -64,9 +83,9 @@ class _Bytes(bytes):
 
 @pytest.mark.parametrize("bad", [b"", "", _Bytes(b"x"), bytearray(b"x"), 7, None])
 def test_c_key_ids_leave_anything_but_plain_non_empty_keys_to_python(lib, bad):
-    assert lib.ids([b"fine", bad]) is None
+    assert _c_ids(lib, [b"fine", bad]) is None
     with pytest.raises(TypeError):
-        lib.ids(5)
+        lib.fill(5, [], {}, {}, 1 << 30, 1 << 30, 1 << 40)
 
 
 def test_key_ids_of_new_keys_are_the_same_on_both_paths(lib, monkeypatch):
@@ -237,7 +256,8 @@ _USE = """
     from kvtier.index.keys import key_id
     lib = native.start(wait=True)
     keys = [os.urandom(40) for _ in range(100)] + ["k%d" % i for i in range(100)]
-    ok = lib is not None and lib.ids(keys) == [key_id(k) for k in keys]
+    out = [None] * len(keys)
+    ok = lib is not None and lib.fill(keys, out, {}, {}, 1 << 30, 1 << 30, 1 << 40) and out == [key_id(k) for k in keys]
     print("C" if ok else ("python" if lib is None else "WRONG"))
 """
 
@@ -483,57 +503,53 @@ def test_a_faulty_state_change_raises_the_python_error_on_the_c_path(lib, monkey
     same partial changes (the C pass changes nothing and hands the batch to the loops)."""
     from kvtier.index import PageState, TierIndex, make_policy
 
-    got = []
-    for python in (False, True):
-        with monkeypatch.context() as m:
-            if python:
-                python_index_paths(m)
-            index = TierIndex("t", 64, make_policy("lru", 64))
-            slots = index.take_free(20, PageState.FILLING)
-            index.bind_all(slots, [bytes([i]) * 16 for i in range(20)])
-            index.set_states(slots, PageState.DIRTY)
-            bad = slots[7]
-            if fault == "illegal":  # DIRTY -> LOADING
-                target, delta = PageState.LOADING, 0
-            elif fault == "held":
-                index.pin(bad)
-                target, delta = PageState.FREE, 0
-            elif fault == "repeat":  # no state moves to itself: the second DIRTY -> OFFLOADING is illegal
-                slots = slots + [bad]
-                target, delta = PageState.OFFLOADING, 1
-            elif fault == "busy":  # a copy reads the slot
-                index.set_states([bad], PageState.OFFLOADING, busy_delta=1)
-                index.set_states([s for s in slots if s != bad], PageState.OFFLOADING)
-                target, delta = PageState.FREE, 0
-            else:  # a copy ends that never started
-                index.set_states([s for s in slots if s != bad], PageState.OFFLOADING, busy_delta=1)
-                index.set_states([bad], PageState.OFFLOADING)
-                target, delta = PageState.RESIDENT, -1
-            with pytest.raises((AssertionError, RuntimeError)) as err:
-                index.set_states(slots, target, busy_delta=delta)
-            got.append((type(err.value).__name__, str(err.value), bytes(index.state), index.busy.tobytes(),
-                        index.pins.tobytes(), list(index.free)))
-    assert got[0] == got[1]
+    def run():
+        index = TierIndex("t", 64, make_policy("lru", 64))
+        slots = index.take_free(20, PageState.FILLING)
+        index.bind_all(slots, [bytes([i]) * 16 for i in range(20)])
+        index.set_states(slots, PageState.DIRTY)
+        bad = slots[7]
+        if fault == "illegal":  # DIRTY -> LOADING
+            target, delta = PageState.LOADING, 0
+        elif fault == "held":
+            index.pin(bad)
+            target, delta = PageState.FREE, 0
+        elif fault == "repeat":  # no state moves to itself: the second DIRTY -> OFFLOADING is illegal
+            slots = slots + [bad]
+            target, delta = PageState.OFFLOADING, 1
+        elif fault == "busy":  # a copy reads the slot
+            index.set_states([bad], PageState.OFFLOADING, busy_delta=1)
+            index.set_states([s for s in slots if s != bad], PageState.OFFLOADING)
+            target, delta = PageState.FREE, 0
+        else:  # a copy ends that never started
+            index.set_states([s for s in slots if s != bad], PageState.OFFLOADING, busy_delta=1)
+            index.set_states([bad], PageState.OFFLOADING)
+            target, delta = PageState.RESIDENT, -1
+        with pytest.raises((AssertionError, RuntimeError)) as err:
+            index.set_states(slots, target, busy_delta=delta)
+        return (type(err.value).__name__, str(err.value), bytes(index.state), index.busy.tobytes(),
+                index.pins.tobytes(), list(index.free))
+
+    c_got, py_got = _on_both_paths(monkeypatch, run)
+    assert c_got == py_got
 
 
 @pytest.mark.parametrize("call", ["unhold_all", "unpin_all"])
 def test_letting_go_of_a_slot_not_held_raises_the_python_error_on_the_c_path(lib, monkeypatch, call):
     from kvtier.index import PageState, TierIndex, make_policy
 
-    got = []
-    for python in (False, True):
-        with monkeypatch.context() as m:
-            if python:
-                python_index_paths(m)
-            index = TierIndex("t", 32, make_policy("lru", 32))
-            slots = index.take_free(10, PageState.FILLING)
-            index.pin_all(slots[:5])
-            index.hold_all(slots[:5])
-            with pytest.raises((AssertionError, ValueError)) as err:
-                getattr(index, call)(slots[:6])
-            got.append((type(err.value).__name__, str(err.value), index.pins.tobytes(), index.busy.tobytes(),
-                        index.held, index.busy_slots))
-    assert got[0] == got[1]
+    def run():
+        index = TierIndex("t", 32, make_policy("lru", 32))
+        slots = index.take_free(10, PageState.FILLING)
+        index.pin_all(slots[:5])
+        index.hold_all(slots[:5])
+        with pytest.raises((AssertionError, ValueError)) as err:
+            getattr(index, call)(slots[:6])
+        return (type(err.value).__name__, str(err.value), index.pins.tobytes(), index.busy.tobytes(),
+                index.held, index.busy_slots)
+
+    c_got, py_got = _on_both_paths(monkeypatch, run)
+    assert c_got == py_got
 
 
 def test_the_id_cache_fills_and_turns_over_the_same_on_both_paths(lib, monkeypatch):
@@ -556,20 +572,18 @@ def test_the_id_cache_fills_and_turns_over_the_same_on_both_paths(lib, monkeypat
                 [bytes([i]) * 24 + b"d" for i in range(7)] + [b"g" * 24],
                 None, [b"e" * 100] + [bytes([i]) * 199 for i in range(1, 100)],
                 [bytes([i]) * 24 + b"f" for i in range(7)] + [b"h" * 23]]
-    states = []
-    for python in (False, True):
-        with monkeypatch.context() as m:
-            if python:
-                python_index_paths(m)
-            clear_id_cache()
-            seen = []
-            for batch in batches:
-                if batch is None:
-                    clear_id_cache()
-                    continue
-                assert key_ids(batch) == [key_id(k) for k in batch]
-                seen.append((dict(keys_mod._young), dict(keys_mod._old), keys_mod._young_chars))
-            states.append(seen)
+    def run():
+        clear_id_cache()
+        seen = []
+        for batch in batches:
+            if batch is None:
+                clear_id_cache()
+                continue
+            assert key_ids(batch) == [key_id(k) for k in batch]
+            seen.append((dict(keys_mod._young), dict(keys_mod._old), keys_mod._young_chars))
+        return seen
+
+    c_seen, py_seen = _on_both_paths(monkeypatch, run)
     clear_id_cache()
-    assert states[0] == states[1]
-    assert any(len(old) for _, old, _ in states[0])  # the generations did turn over
+    assert c_seen == py_seen
+    assert any(len(old) for _, old, _ in c_seen)  # the generations did turn over

@@ -77,11 +77,11 @@ def library_path(folder: Path, source: str) -> Path:
     return folder / f"{MODULE}.{digest.hexdigest()[:24]}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
-def build(folder: Path, source: str) -> Path:
-    """Compile `source` into `folder` (atomically) and return the library's path."""
-    path = library_path(folder, source)
+def build(path: Path, source: str) -> Path:
+    """Compile `source` into `path` (from library_path; atomically) unless it is there; the path."""
     if path.exists():
         return path
+    folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     include = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(include, "Python.h")):
@@ -114,10 +114,10 @@ def _load(path: Path):
     return module
 
 
-def _build_and_load(folder: Path, source: str) -> None:
+def _build_and_load(path: Path, source: str) -> None:
     global _module, _state
     try:
-        _module = _load(build(folder, source))
+        _module = _load(build(path, source))
         _state = "loaded"
     except Exception as exc:  # a compiler or headers missing, a build failing: Python paths, said once
         log.warning("kvtier's C index paths are not built (%s); the Python paths serve", exc)
@@ -144,10 +144,11 @@ def start(wait: bool = False):
                 _built.set()
             else:
                 _state = "building"
-                if wait or library_path(folder, source).exists():
-                    _build_and_load(folder, source)
+                path = library_path(folder, source)
+                if wait or path.exists():
+                    _build_and_load(path, source)
                 else:
-                    threading.Thread(target=_build_and_load, args=(folder, source), name="kvtier-host-build",
+                    threading.Thread(target=_build_and_load, args=(path, source), name="kvtier-host-build",
                                      daemon=True).start()
     if wait:
         _built.wait()
