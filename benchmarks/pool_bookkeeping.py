@@ -51,6 +51,7 @@ import torch  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from kvtier import PageFormat, TieredPool, prefix_keys  # noqa: E402
+from kvtier.index import native  # noqa: E402
 from pool_overhead import NoCopyEngine  # noqa: E402  benchmarks/pool_overhead.py: completes copies without bytes
 
 FORMAT = dict(num_layers=2, num_kv_heads=1, head_dim=16, page_size=1, dtype="fp8_e4m3", scale="per_tensor")
@@ -165,6 +166,8 @@ def main() -> None:
                     help="scatter each round's pages in the host tier's eviction order first (untimed)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    # The index's C paths built (or loaded) first, as a long-running server has them.
+    print(f"index paths: {'C' if native.start(wait=True) is not None else 'Python (no C library)'}")
     sizes = [int(p) for p in args.pages.split(",")]
     rows = [run_batch(n, args.rounds or max(9, min(101, 4096 // n)), seed=n, layer_ordered=args.layer_ordered,
                       scattered=args.scattered) for n in sizes]

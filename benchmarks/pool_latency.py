@@ -33,6 +33,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier import PageFormat, TieredPool, prefix_keys
+from kvtier.index import native
 
 FORMATS = {
     "32L fp8 (1 MiB)": dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="fp8_e4m3",
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated page counts per call; 'large' is the --large-mib point (default 1,4,16,large)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    # The index's C paths built (or loaded) first, as a long-running server has them.
+    print(f"index paths: {'C' if native.start(wait=True) is not None else 'Python (no C library)'}")
     device = torch.device(args.device)
     if device.type != "cuda":
         print("no CUDA: the CPU twin runs (synchronous torch copies); these numbers are not the GPU control plane")

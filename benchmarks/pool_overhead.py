@@ -400,6 +400,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     wanted = [s for s in args.sections.split(",") if s]
+    try:  # the index's C paths built (or loaded) first, as a long-running server has them
+        from kvtier.index import native
+        print(f"index paths: {'C' if native.start(wait=True) is not None else 'Python (no C library)'}")
+    except ImportError:
+        print("index paths: Python (this revision has no C paths)")
     if "background_copies" in inspect.signature(TieredPool).parameters:  # older revisions lack it
         POOL_OPTIONS["background_copies"] = args.copies == "background"
     unknown = [s for s in wanted if s not in SECTIONS]

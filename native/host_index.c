@@ -1014,9 +1014,163 @@ static PyObject *states_mark(States *st, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyTypeObject StatesType;
+
+/* The slots of `obj` when it is a list or tuple of exact ints in [0, capacity): 1 (then
+   slots_release), 0 when it is not (no error set: the caller's Python path names the fault), -1
+   with an error set. */
+static int exact_slots(PyObject *obj, Py_ssize_t capacity, Slots *arg) {
+    arg->viewing = 0;
+    arg->owned = NULL;
+    if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj)) return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    PyObject **items = PySequence_Fast_ITEMS(obj);
+    arg->owned = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!arg->owned) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    arg->n = n;
+    arg->at = arg->owned;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow;
+        long long v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : -1;
+        if (v < 0 || v >= capacity) { /* (overflow reads -1) */
+            slots_release(arg);
+            return 0;
+        }
+        arg->owned[i] = v;
+    }
+    return 1;
+}
+
+#define FILLING_STATE 1
+#define RESIDENT_STATE 3
+#define READABLE(s) ((s) >= RESIDENT_STATE && (s) < STATES) /* RESIDENT, DIRTY, OFFLOADING */
+
+/* commit(slots, ids, table, host_table, host_states) -> None | (dirty, absent_slots, absent_ids,
+   keyed, clean): TieredPool.commit's bookkeeping of fresh device slots in one pass (its slot
+   checks, its freshness check and _key_commit), on these arrays (the device tier's), the device
+   key table `table`, and the host tier's key table and States. `ids`: distinct 16-byte ids (the
+   caller checked them), one a slot. None, with nothing changed, when the slots are no list of
+   ints in range, one repeats, or one is not an allocated, uncommitted slot the engine holds
+   (FILLING, held, no copy in flight, no key), or the counts differ: the Python path names the
+   fault. Else each id the device table lacks is bound to its slot, which turns RESIDENT where
+   the host tier holds the id readable and DIRTY otherwise (a held slot joins no eviction order);
+   returns the slots turned DIRTY (for the dirty list, in order), the slots and ids the host tier
+   lacks (in order), how many slots were keyed and how many of those turned RESIDENT. */
+static PyObject *states_commit(States *st, PyObject *args) {
+    PyObject *obj, *ids;
+    Table *t, *ht;
+    States *hs;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!", &obj, &PyList_Type, &ids, &TableType, &t, &TableType, &ht,
+                          &StatesType, &hs))
+        return NULL;
+    if (!st->held || !hs->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    if (check_held(t) < 0 || check_held(ht) < 0) return NULL;
+    if (t->capacity != st->capacity || ht->capacity != hs->capacity)
+        return PyErr_Format(PyExc_ValueError, "commit: key tables and states of different capacities");
+    Slots arg;
+    int got = exact_slots(obj, st->capacity, &arg);
+    if (got <= 0) {
+        if (got < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
+    PyObject *dirty = NULL, *absent_slots = NULL, *absent_ids = NULL;
+    int64_t *homes = NULL;
+    const uint8_t *state = (const uint8_t *)st->state.buf, *hstate = (const uint8_t *)hs->state.buf;
+    const int32_t *pins = (const int32_t *)st->pins.buf, *busy = (const int32_t *)st->busy.buf;
+    const int32_t *bucket_of = (const int32_t *)t->bucket_of.buf;
+    if (PyList_GET_SIZE(ids) != n || repeats(st, slots, n)) goto python;
+    for (Py_ssize_t i = 0; i < n; i++) { /* check everything before changing anything */
+        int64_t slot = slots[i];
+        if (state[slot] != FILLING_STATE || pins[slot] <= 0 || busy[slot] || bucket_of[slot] != EMPTY) goto python;
+    }
+    /* Each id's home bucket in the device table (its hash, masked), or -1: on the device already
+       (a duplicate commit, which keeps its slot); and where the host tier holds it, or EMPTY. */
+    homes = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(int64_t));
+    if (!homes) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int64_t *hosts = homes + n;
+    Py_ssize_t keyed = 0, clean = 0, absent = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *kid = PyList_GET_ITEM(ids, i);
+        int64_t home = home_of(t, kid);
+        if (home == -1) goto fail;
+        if (home == -2) goto python;
+        const char *raw = PyBytes_AS_STRING(kid);
+        homes[i] = probe(t, raw, (uint64_t)home, NULL) == EMPTY ? home : -1;
+        if (homes[i] < 0) continue;
+        int64_t hhome = home_of(ht, kid);
+        if (hhome == -1) goto fail;
+        hosts[i] = probe(ht, raw, (uint64_t)hhome, NULL);
+        keyed++;
+        if (hosts[i] == EMPTY) absent++;
+        else if (READABLE(hstate[hosts[i]])) clean++;
+    }
+    /* The answers built whole before any change, so nothing below can fail. */
+    dirty = PyList_New(keyed - clean);
+    absent_slots = PyList_New(absent);
+    absent_ids = PyList_New(absent);
+    if (!dirty || !absent_slots || !absent_ids) goto fail;
+    for (Py_ssize_t i = 0, d = 0, a = 0; i < n; i++) {
+        if (homes[i] < 0) continue;
+        int is_clean = hosts[i] != EMPTY && READABLE(hstate[hosts[i]]);
+        if (!is_clean) {
+            PyObject *num = PyLong_FromLongLong(slots[i]);
+            if (!num) goto fail;
+            PyList_SET_ITEM(dirty, d++, num);
+        }
+        if (hosts[i] == EMPTY) {
+            PyObject *num = PyLong_FromLongLong(slots[i]);
+            if (!num) goto fail;
+            PyList_SET_ITEM(absent_slots, a, num);
+            PyObject *kid = PyList_GET_ITEM(ids, i);
+            Py_INCREF(kid);
+            PyList_SET_ITEM(absent_ids, a++, kid);
+        }
+    }
+    uint8_t *wstate = (uint8_t *)st->state.buf;
+    int32_t *buckets = (int32_t *)t->buckets.buf, *wbucket_of = (int32_t *)t->bucket_of.buf;
+    int32_t *home_arr = (int32_t *)t->home.buf;
+    char *table_ids = (char *)t->ids.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (homes[i] < 0) continue;
+        int64_t slot = slots[i];
+        const char *raw = PyBytes_AS_STRING(PyList_GET_ITEM(ids, i));
+        uint64_t b;
+        probe(t, raw, (uint64_t)homes[i], &b); /* the first empty bucket of its run now */
+        buckets[b] = (int32_t)slot;
+        memcpy(table_ids + (size_t)slot * ID_BYTES, raw, ID_BYTES);
+        wbucket_of[slot] = (int32_t)b;
+        home_arr[slot] = (int32_t)homes[i];
+        wstate[slot] = hosts[i] != EMPTY && READABLE(hstate[hosts[i]]) ? RESIDENT_STATE : DIRTY_STATE;
+    }
+    PyMem_Free(homes);
+    slots_release(&arg);
+    return Py_BuildValue("(NNNnn)", dirty, absent_slots, absent_ids, keyed, clean);
+python:
+    PyMem_Free(homes);
+    slots_release(&arg);
+    Py_RETURN_NONE;
+fail: /* (before any change: memory ran out, or an id's hash failed) */
+    PyMem_Free(homes);
+    Py_XDECREF(dirty);
+    Py_XDECREF(absent_slots);
+    Py_XDECREF(absent_ids);
+    slots_release(&arg);
+    return NULL;
+}
+
 static PyMethodDef states_methods[] = {
     {"reuse", (PyCFunction)states_reuse, METH_VARARGS, "reuse(slots, new, busy_delta) -> None or (left, undirty)"},
     {"mark", (PyCFunction)states_mark, METH_VARARGS, "mark(slots, state, busy, pins)"},
+    {"commit", (PyCFunction)states_commit, METH_VARARGS,
+     "commit(slots, ids, table, host_table, host_states) -> None or (dirty, absent_slots, absent_ids, keyed, clean)"},
     {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
     {"hold", (PyCFunction)states_hold, METH_VARARGS, "hold(slots, touch) -> slots idle before"},
     {"unhold", (PyCFunction)states_unhold, METH_O, "unhold(slots) -> None or (adds, idle)"},

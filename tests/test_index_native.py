@@ -14,12 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 import kvtier.index.key_table as key_table
+from kvtier import PageState, TieredPool, prefix_keys
 from kvtier.index import native
 from kvtier.index.key_table import KeyTable
 from kvtier.index.keys import key_id, key_ids, clear_id_cache
-from tests.conftest import python_index_paths
+from kvtier.index.tier_index import TierIndex
+from tests.conftest import fill_random, python_index_paths, small_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -587,3 +591,109 @@ def test_the_id_cache_fills_and_turns_over_the_same_on_both_paths(lib, monkeypat
     clear_id_cache()
     assert c_seen == py_seen
     assert any(len(old) for _, old, _ in c_seen)  # the generations did turn over
+
+
+def _commit_run(monkeypatch, path: str, policy: str, steps: int = 90) -> list:
+    """A fixed random sequence of commits through a pool (new keys, keys on the device, keys the
+    host tier holds readable, keys it holds while they land there), with flushes, evictions and
+    releases between them; path "one pass": the C `commit_fresh`; "fallback": the pool's other
+    path with the C paths loaded; "python": the Python twins. Returns every commit's answer and
+    both tiers' facts after it."""
+    one_pass = []
+    real = TierIndex.commit_fresh
+
+    def counted(self, *args):
+        done = real(self, *args)
+        one_pass.append(done is not None)
+        return done
+
+    with monkeypatch.context() as m:
+        if path == "python":
+            python_index_paths(m)
+        m.setattr(TierIndex, "commit_fresh", counted if path == "one pass" else (lambda self, *args: None))
+        rng = np.random.default_rng(5)
+        gen = torch.Generator().manual_seed(5)
+        pool = TieredPool(small_format(num_layers=2), device_pages=48, host_pages=96, write_policy=policy,
+                          registry=CollectorRegistry(), background_copies=False)
+        trace = []
+        with pool:
+            seen: list = []
+            for step in range(steps):
+                n = int(rng.integers(1, 14))
+                fresh = prefix_keys(np.arange(n * pool.fmt.page_size) + 1000 * step, pool.fmt.page_size, pool.namespace)
+                old = [seen[i] for i in rng.permutation(len(seen))[: int(rng.integers(0, 5))]] if seen else []
+                keys = list(dict.fromkeys(fresh[: n - len(old)] + old))
+                if rng.random() < 0.2 and len(pool._host.free) > 2:  # a key landing in the host tier (as a fetch)
+                    landing = prefix_keys(np.arange(pool.fmt.page_size) + 7_000_000 + step, pool.fmt.page_size,
+                                          pool.namespace)[0]
+                    with pool._lock:
+                        slot = pool._host.take_loading(1)[0]
+                        pool._host.table.bind(key_ids([landing])[0], slot)
+                    keys.append(landing)
+                slots = pool.allocate(len(keys))
+                fill_random(pool, slots, gen)
+                trace.append(("commit", pool.commit(keys, slots), pool.counters.duplicate_commits))
+                pool.release(slots)
+                seen.extend(fresh[: n - len(old)])
+                action = rng.random()
+                if action < 0.3:
+                    pool.flush()
+                elif action < 0.5:
+                    pool.evict(tier="device", keys=[k for k in seen if rng.random() < 0.5])
+                trace.append(("tiers", _tier_snapshot(pool._dev), _tier_snapshot(pool._host),
+                              pool._host.counts[PageState.LOADING]))
+                with pool._lock:
+                    pool._host.check()
+    return trace, one_pass
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
+def test_a_commit_in_one_c_pass_keys_what_the_python_paths_key(lib, monkeypatch, policy):
+    """Commits of new keys, keys already on the device (kept where they are), keys the host tier
+    holds readable (clean at once) and keys it holds while they land (dirty, no copy down):
+    the one C pass leaves both tiers, the answers and the duplicate counts as the pool's other
+    path and the Python twins do, and it ran for every commit."""
+    c_trace, one_pass = _commit_run(monkeypatch, "one pass", policy)
+    assert one_pass and all(one_pass), one_pass
+    assert c_trace == _commit_run(monkeypatch, "fallback", policy)[0]
+    assert c_trace == _commit_run(monkeypatch, "python", policy)[0]
+    kinds = {t[1] for t in c_trace if t[0] == "commit"}
+    assert len(kinds) > 3  # commits of several sizes
+
+
+@pytest.mark.parametrize("fault", ["bool", "numpy", "float", "negative", "out of range", "repeat", "committed",
+                                   "released", "count", "repeated key"])
+def test_a_faulty_commit_raises_the_python_error_and_changes_nothing(lib, monkeypatch, fault):
+    """A commit with one bad slot (or key): the same error on the C path as on the Python
+    paths, and both tiers as they were; a numpy integer slot is no fault (the checks take it)."""
+
+    def run():
+        pool = TieredPool(small_format(num_layers=2), device_pages=32, host_pages=64, registry=CollectorRegistry(),
+                          background_copies=False)
+        with pool:
+            keys = prefix_keys(np.arange(10 * pool.fmt.page_size), pool.fmt.page_size, pool.namespace)
+            done = pool.allocate(3)
+            pool.commit(keys[:3], done)
+            slots = pool.allocate(6)
+            released = pool.allocate(1)
+            pool.release(released)
+            keys = keys[3:9]
+            bad = {"bool": True, "numpy": np.int64(slots[2]), "float": float(slots[2]), "negative": -1,
+                   "out of range": 32, "repeat": slots[0], "committed": done[1], "released": released[0]}
+            if fault == "count":
+                slots = slots[:5]
+            elif fault == "repeated key":
+                keys[4] = keys[1]
+            else:
+                slots[2] = bad[fault]
+            before = (_tier_snapshot(pool._dev), _tier_snapshot(pool._host))
+            try:
+                got = ("ok", pool.commit(keys, slots))
+            except (TypeError, ValueError) as exc:
+                got = (type(exc).__name__, str(exc))
+                assert (_tier_snapshot(pool._dev), _tier_snapshot(pool._host)) == before
+            return got, _tier_snapshot(pool._dev), _tier_snapshot(pool._host)
+
+    c_got, py_got = _on_both_paths(monkeypatch, run)
+    assert c_got == py_got
+    assert (c_got[0][0] == "ok") == (fault == "numpy"), c_got[0]

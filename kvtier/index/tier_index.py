@@ -543,6 +543,29 @@ class TierIndex:
         counts[_DIRTY] += len(dirty)
         counts[S.RESIDENT] += n - len(dirty)
 
+    def commit_fresh(self, slots, kids: list[bytes], host: TierIndex) -> tuple[list[int], list[bytes], int] | None:
+        """A commit's bookkeeping in one C pass (this is the device tier): the checks of
+        `check_slots` and `first_unfresh`, the partitions by this tier's and `host`'s tables, and
+        `key_filled` (see the C `States.commit`). `kids` are distinct. Returns (the slots and ids
+        `host` lacks, how many slots were keyed), or None, with nothing changed, when C is not
+        loaded or it found a fault: the caller's Python path names it."""
+        c = self._c or self._native()
+        if c is None or type(self.table) is not KeyTable or type(host.table) is not KeyTable:
+            return None  # (the dict table of a device tier made before C was loaded)
+        done = c.commit(slots, kids, self.table._c or self.table._native(), host.table._c or host.table._native(),
+                        host._c or host._native())
+        if done is None:
+            return None
+        dirty, absent_slots, absent_ids, keyed, clean = done
+        self.table._len += keyed
+        if dirty:
+            self.dirty.extend_unlisted(dirty)
+        counts = self.counts
+        counts[_FILLING] -= keyed
+        counts[_DIRTY] += keyed - clean
+        counts[S.RESIDENT] += clean
+        return absent_slots, absent_ids, keyed
+
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:
             self.held += 1

@@ -301,19 +301,31 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         # (the keys are checked now, and hashing them cannot fail), so its first copy starts
         # before the whole batch is hashed.
         ids = None if chunked and plain_distinct(keys) else key_ids(keys)
-        slots = check_slots(slots, self._dev.capacity)
-        if len(keys) != len(slots):
-            raise ValueError(f"got {len(keys)} keys for {len(slots)} slots; they must pair up")
+        # One C pass (`commit_fresh`) checks a plain list of slots and keys them; on a fault it
+        # changes nothing and the checks below name it.
+        one_pass = ids is not None and not chunked and type(slots) in (list, tuple) and len(slots) == len(ids)
+        if not one_pass:
+            slots = check_slots(slots, self._dev.capacity)
+            if len(keys) != len(slots):
+                raise ValueError(f"got {len(keys)} keys for {len(slots)} slots; they must pair up")
         if ids is not None:
             check_unique(ids)
         with self._lock:
             self._check_open()
             self._reap()
-            self._check_fresh("commit", slots)
+            done = self._dev.commit_fresh(slots, ids, self._host) if one_pass else None
+            if done is None:
+                if one_pass:
+                    slots = check_slots(slots, self._dev.capacity)
+                self._check_fresh("commit", slots)
             ready = self._ready = self.engine.record_ready()
             if not chunked:
                 copies = self.write_policy.copy_on_commit()
-                fresh, absent_slots, absent_ids = self._key_commit(ids, slots)
+                if done is not None:
+                    absent_slots, absent_ids, fresh = done
+                    self.counters.duplicate_commits += len(ids) - fresh
+                else:
+                    fresh, absent_slots, absent_ids = self._key_commit(ids, slots)
                 if absent_slots and copies:
                     # background_copies: the offload thread starts the copy down, so that commit
                     # costs the engine only the bookkeeping of its own pages.
