@@ -277,14 +277,16 @@ def test_a_reload_that_fails_to_start_leaves_both_tiers_as_they_were(registry, g
     pool.close()
 
 
-def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen):
-    """The general path (a load into slots from `allocate`): the engine raises as the reload is
-    started. The load raises that error; the given slots are the caller's again, unkeyed and
-    held as they came; no host page stays held; the same load then lands every page bit-exact."""
+@pytest.mark.parametrize("on_device", [5, 0])
+def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they_were(registry, gen, on_device):
+    """A load into slots from `allocate` (the general path with keys on the device, the one
+    reload without): the engine raises as the reload is started. The load raises that error;
+    the given slots are the caller's again, unkeyed and held as they came; no host page stays
+    held; the same load then lands every page bit-exact."""
     pool = _pool(registry, FailingTorchEngine, ordered=False)
     keys = prefix_keys(np.arange(40), 1, pool.namespace)
     expected = _write(pool, keys, gen)
-    pool.evict(keys=keys[5:])  # 5 are copied on the device, 35 come from the host
+    pool.evict(keys=keys[on_device:])  # these are copied on the device, the others come from the host
     targets = pool.allocate(40)
     before = pool.stats()["states"]
     pool.engine.arm(1)
@@ -294,7 +296,7 @@ def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they
     pool.match(keys[:1])  # a call that reaps the device copies that did start
     assert pool.stats()["states"] == before
     assert pool._dev.held == 40 and pool._dev.busy_slots == 0 and pool._host.busy_slots == 0
-    assert pool.match(keys).device == 5 and pool.match(keys).host == 35
+    assert pool.match(keys).device == on_device and pool.match(keys).host == 40 - on_device
     _check_indexes(pool)
     handle = pool.load(keys, targets)
     handle.synchronize()
@@ -303,6 +305,46 @@ def test_a_reload_into_given_slots_that_fails_to_start_leaves_both_tiers_as_they
     pool.release(targets)
     _check_indexes(pool)
     pool.close()
+
+
+@pytest.mark.parametrize("on_device", [0, 5])
+def test_a_load_into_given_slots_of_host_pages_is_one_reload(registry, gen, monkeypatch, on_device):
+    """A load into slots from `allocate` whose keys are all readable in the host tier and none
+    on the device: one reload of every page in the call's first hold of the lock, the general
+    path never asked; with some keys on the device, the general path. Either way the pages land
+    bit-exact in the given slots, and the tiers end as the general path alone leaves them."""
+    from kvtier.pool.loading import Loading
+
+    def run(one_reload: bool):
+        general: list[int] = []
+        with monkeypatch.context() as m:
+            if not one_reload:
+                m.setattr(TieredPool, "_load_into_now", lambda self, ids, slots: None)
+            m.setattr(TieredPool, "_secure_sources", lambda self, ids: general.append(len(ids)) or Loading._secure_sources(self, ids))
+            pool = _pool(registry, CountingEngine, ordered=False)
+            keys = prefix_keys(np.arange(40), 1, pool.namespace)
+            expected = _write(pool, keys, torch.Generator().manual_seed(3))
+            pool.evict(keys=keys[on_device:])
+            targets = pool.allocate(40)
+            poison(pool, targets)
+            reloads_before = len(pool.engine.reloads)
+            handle = pool.load(keys, targets)
+            handle.synchronize()
+            assert handle.slots == targets
+            assert all(snapshot(pool, s) == expected[k] for k, s in zip(keys, targets))
+            _check_indexes(pool)
+            facts = (pool.stats()["states"], pool._dev.held, pool._dev.busy_slots, pool._host.busy_slots,
+                     bytes(pool._host.hits), [pool._dev.table.get(i) for i in pool._dev.ids_of(targets[on_device:])])
+            pool.release(targets)
+            pool.close()
+            return facts, general, pool.engine.reloads[reloads_before:]
+
+    facts, general, reloads = run(True)
+    assert facts == run(False)[0]
+    if on_device:
+        assert general == [40]
+    else:
+        assert general == [] and reloads == [40]
 
 
 def test_a_long_load_that_falls_back_to_the_general_path_keys_every_key(registry, gen):

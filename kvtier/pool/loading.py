@@ -246,6 +246,22 @@ class Loading:
                 self._submit(joined, self._landed(srcs, targets, flags))
         return LoadHandle(tickets, num_layers, out)
 
+    def _load_into_now(self, ids: list[bytes], slots: list[int]) -> LoadHandle | None:
+        """A load into given slots (checked fresh) in this hold of the lock: when no key is on the
+        device and every one is readable in the host tier, one reload of them all (the common
+        load into slots the engine chose); else None, nothing changed, for the general path."""
+        if not ids or max(self._dev.table.get_many(ids)) >= 0:
+            return None
+        srcs = self._host.hold_readable(ids)
+        if srcs is None:
+            return None
+        try:
+            ticket = self._reload(srcs, slots, ids, [True] * len(ids))
+        except BaseException:  # the copy never started: the slots are as they came, the sources let go
+            self._release_host(srcs)
+            raise
+        return LoadHandle([ticket], self.fmt.num_layers, list(slots))
+
     def _cancel_load_now(self, pinned: list[int], started: list, pending: list) -> None:
         """Undo a `_load_now` that cannot finish: holds on device pages dropped, chunks already
         copying unkeyed and unheld (freed when they land). pending: chunks that copy their first

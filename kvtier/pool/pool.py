@@ -476,6 +476,11 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
             with self._lock:
                 self._check_open()
                 self._check_fresh("load", slots)
+                self._reap()
+                handle = self._load_into_now(ids, slots)
+                if handle is not None:
+                    self.counters.latency["load"].observe(time.perf_counter() - start)
+                    return handle
         else:
             with self._lock:
                 self._check_open()
