@@ -13,6 +13,7 @@ import logging
 import time
 
 from kvtier.index import PageState
+from kvtier.index.keys import KEY_ID_BYTES
 
 S = PageState
 log = logging.getLogger("kvtier.pool.pool")  # the pool's one logger, whichever file speaks
@@ -43,8 +44,8 @@ class Draining:
             with self._lock:
                 began = time.monotonic()
                 self._reap()
-                if owed is None:
-                    owed = set().union(*self._not_durable_ids())
+                if owed is None:  # one block of ids (no object a page) until a round leaves some
+                    owed = b"".join(b"".join(index.ids_of(slots)) for index, slots in self._not_durable_slots())
                 # Host pages first: their backups probe a remote tier the breaker holds off.
                 # A page already queued keeps its place (appending would move it behind the
                 # pages committed since, which steady commits would keep doing).
@@ -78,6 +79,8 @@ class Draining:
                 looked = time.monotonic()
                 on_device, on_host = self._not_durable_ids() if owed and self._any_not_durable() else (set(), set())
                 round_s = max(FLUSH_ROUND_S, (locked + time.monotonic() - looked) / FLUSH_LOOK_SHARE)
+                if type(owed) is bytes:
+                    owed = {owed[at : at + KEY_ID_BYTES] for at in range(0, len(owed), KEY_ID_BYTES)} if on_device or on_host else set()
                 owed &= on_device | on_host
                 left = len(owed)
                 if idle:  # progress is judged between idle rounds only
@@ -93,21 +96,26 @@ class Draining:
                         left + gone, dict(self.counters.remote_failures), self._breaker.last_error)
         return left, gone
 
-    def _not_durable_ids(self) -> tuple[set[bytes], set[bytes]]:
-        """Key ids of the pages the write policy keeps that no last tier holds yet, dirty or
-        being copied down: (on the device, in the host tier). O(dirty pages); slots being
-        copied are found with one vectorized scan of the tier's states, only while copies are
-        in flight."""
+    def _not_durable_slots(self) -> list[tuple]:
+        """(tier, slots) of the pages the write policy keeps that no last tier holds yet, dirty
+        or being copied down, for the device then the host tier (the host tier's only with a
+        remote tier). O(dirty pages); slots being copied are found with one vectorized scan of
+        the tier's states, only while copies are in flight."""
         keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
         found = []
         for index in (self._dev, self._host):
-            out: set[bytes] = set()
+            slots: list[int] = []
             if index is self._dev or self._link is not None:
-                out.update(index.ids_of(index.dirty_kept(keep, ordered=False)))
+                slots = index.dirty_kept(keep, ordered=False)
                 if index.counts[S.OFFLOADING]:
-                    out.update(index.ids_of(index.slots_in(S.OFFLOADING)))
-            found.append(out)
-        return found[0], found[1]
+                    slots = slots + index.slots_in(S.OFFLOADING)
+            found.append((index, slots))
+        return found
+
+    def _not_durable_ids(self) -> tuple[set[bytes], set[bytes]]:
+        """Key ids of `_not_durable_slots`: (on the device, in the host tier)."""
+        (dev, on_dev), (host, on_host) = self._not_durable_slots()
+        return set(dev.ids_of(on_dev)), set(host.ids_of(on_host))
 
     def _any_not_durable(self) -> bool:
         """Whether a page may not be durable yet (any DIRTY or OFFLOADING page where
