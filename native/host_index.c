@@ -127,6 +127,104 @@ static void digest(const uint64_t start[8], const uint8_t *data, size_t len, uin
     memcpy(out, h, ID_BYTES);
 }
 
+/* Four single-block messages at once (each at most 128 bytes: one compression with the last
+   flag), one in each 64-bit lane of a 4-word vector: the same rounds on four lanes. Built twice,
+   for any x86-64 (SSE2, two halves a vector) and for AVX2 (one register a vector), the AVX2 one
+   chosen when the CPU has it; elsewhere the compiler's own vectors. */
+typedef uint64_t lanes4 __attribute__((vector_size(32)));
+
+#define rotr4(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
+
+#define G4(a, b, c, d, x, y)         \
+    do {                             \
+        a = a + b + (x);             \
+        d = rotr4(d ^ a, 32);        \
+        c = c + d;                   \
+        b = rotr4(b ^ c, 24);        \
+        a = a + b + (y);             \
+        d = rotr4(d ^ a, 16);        \
+        c = c + d;                   \
+        b = rotr4(b ^ c, 63);        \
+    } while (0)
+
+/* ids[k] (16 bytes) of message k: `len[k]` (1 to 128) bytes at `data[k]`, from start state `start[k]`. */
+static inline __attribute__((always_inline)) void digest4_body(const uint64_t *const start[4], const uint8_t *const data[4],
+                                                               const size_t len[4], uint8_t *const ids[4]) {
+    uint64_t words[4][16];
+    memset(words, 0, sizeof words);
+    for (int k = 0; k < 4; k++) memcpy(words[k], data[k], len[k]);
+    lanes4 m[16], v[16], h[8];
+    for (int j = 0; j < 16; j++) m[j] = (lanes4){words[0][j], words[1][j], words[2][j], words[3][j]};
+    for (int i = 0; i < 8; i++) {
+        h[i] = (lanes4){start[0][i], start[1][i], start[2][i], start[3][i]};
+        v[i] = h[i];
+        v[i + 8] = (lanes4){IV[i], IV[i], IV[i], IV[i]};
+    }
+    v[12] ^= (lanes4){len[0], len[1], len[2], len[3]};
+    v[14] = ~v[14];
+#define ROUND4(r)                                                       \
+    do {                                                                \
+        G4(v[0], v[4], v[8], v[12], m[SIGMA[r][0]], m[SIGMA[r][1]]);    \
+        G4(v[1], v[5], v[9], v[13], m[SIGMA[r][2]], m[SIGMA[r][3]]);    \
+        G4(v[2], v[6], v[10], v[14], m[SIGMA[r][4]], m[SIGMA[r][5]]);   \
+        G4(v[3], v[7], v[11], v[15], m[SIGMA[r][6]], m[SIGMA[r][7]]);   \
+        G4(v[0], v[5], v[10], v[15], m[SIGMA[r][8]], m[SIGMA[r][9]]);   \
+        G4(v[1], v[6], v[11], v[12], m[SIGMA[r][10]], m[SIGMA[r][11]]); \
+        G4(v[2], v[7], v[8], v[13], m[SIGMA[r][12]], m[SIGMA[r][13]]);  \
+        G4(v[3], v[4], v[9], v[14], m[SIGMA[r][14]], m[SIGMA[r][15]]);  \
+    } while (0)
+    ROUND4(0); ROUND4(1); ROUND4(2); ROUND4(3); ROUND4(4); ROUND4(5);
+    ROUND4(6); ROUND4(7); ROUND4(8); ROUND4(9); ROUND4(10); ROUND4(11);
+#undef ROUND4
+    lanes4 w0 = h[0] ^ v[0] ^ v[8], w1 = h[1] ^ v[1] ^ v[9];
+    for (int k = 0; k < 4; k++) {
+        uint64_t out[2] = {w0[k], w1[k]};
+        memcpy(ids[k], out, ID_BYTES);
+    }
+}
+
+static void digest4_base(const uint64_t *const start[4], const uint8_t *const data[4], const size_t len[4],
+                         uint8_t *const ids[4]) {
+    digest4_body(start, data, len, ids);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2"))) static void digest4_avx2(const uint64_t *const start[4], const uint8_t *const data[4],
+                                                         const size_t len[4], uint8_t *const ids[4]) {
+    digest4_body(start, data, len, ids);
+}
+#endif
+
+typedef void (*digest4_fn)(const uint64_t *const[4], const uint8_t *const[4], const size_t[4], uint8_t *const[4]);
+static digest4_fn digest4 = digest4_base; /* set once at import */
+
+/* Whether this CPU runs the AVX2 digests. */
+static int has_avx2(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static void choose_digest4(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (has_avx2()) digest4 = digest4_avx2;
+#endif
+}
+
+/* lanes(avx2) -> bool: the four-lane digests of `fill` run on AVX2 (when the CPU has it) or on
+   the build for any CPU; whether AVX2 runs now. For the tests, which run both. */
+static PyObject *lanes(PyObject *self, PyObject *arg) {
+    (void)self;
+    int want = PyObject_IsTrue(arg);
+    if (want < 0) return NULL;
+    digest4 = digest4_base;
+    if (want) choose_digest4();
+    return PyBool_FromLong(digest4 != digest4_base);
+}
+
 /* The id of a plain non-empty key (a new reference), or NULL with an error set. */
 static PyObject *id_of_key(PyObject *key) {
     uint8_t id[ID_BYTES];
@@ -165,6 +263,8 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "out holds %zd ids for %zd keys", PyList_GET_SIZE(out), n);
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject **kids = NULL; /* the new keys' ids, by position */
+    Py_ssize_t *pending = NULL; /* positions of the keys hashed four at a time */
     Py_ssize_t count = 0, chars = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyList_GET_ITEM(out, i) != Py_None) continue;
@@ -178,29 +278,74 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         count++;
     }
     if (count >= room || chars >= chars_room) goto python;
+    /* Each new key's id: from `old`, else hashed; keys of one block (at most 128 bytes, bytes or
+       ASCII str) four at a time, the others one by one. Then all cached and written in order. */
+    kids = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
+    pending = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(Py_ssize_t));
+    if (!kids || !pending) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    Py_ssize_t waiting = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyList_GET_ITEM(out, i) != Py_None) continue;
         PyObject *key = items[i];
         PyObject *kid = PyDict_GetItemWithError(old, key);
         if (kid) {
             Py_INCREF(kid);
-        } else {
-            if (PyErr_Occurred()) goto fail;
-            kid = id_of_key(key);
-            if (!kid) goto fail;
+            kids[i] = kid;
+            continue;
         }
-        if (PyDict_SetItem(young, key, kid) < 0) {
-            Py_DECREF(kid);
+        if (PyErr_Occurred()) goto fail;
+        int one_block = PyBytes_CheckExact(key) ? PyBytes_GET_SIZE(key) <= 128
+                                                : PyUnicode_IS_ASCII(key) && PyUnicode_GET_LENGTH(key) <= 128;
+        if (one_block) {
+            kids[i] = PyBytes_FromStringAndSize(NULL, ID_BYTES);
+            if (!kids[i]) goto fail;
+            pending[waiting++] = i;
+        } else if (!(kids[i] = id_of_key(key))) {
             goto fail;
         }
-        PyList_SetItem(out, i, kid); /* (steals the reference; drops the None) */
     }
+    for (Py_ssize_t at = 0; at < waiting; at += 4) {
+        const uint64_t *start[4];
+        const uint8_t *data[4];
+        size_t len[4];
+        uint8_t *ids[4];
+        for (int k = 0; k < 4; k++) {
+            Py_ssize_t i = pending[at + k < waiting ? at + k : at]; /* (a short last group repeats its first) */
+            PyObject *key = items[i];
+            if (PyBytes_CheckExact(key)) {
+                start[k] = BYTES_STATE;
+                data[k] = (const uint8_t *)PyBytes_AS_STRING(key);
+                len[k] = (size_t)PyBytes_GET_SIZE(key);
+            } else {
+                start[k] = STR_STATE;
+                data[k] = (const uint8_t *)PyUnicode_DATA(key);
+                len[k] = (size_t)PyUnicode_GET_LENGTH(key);
+            }
+            ids[k] = (uint8_t *)PyBytes_AS_STRING(kids[i]);
+        }
+        digest4(start, data, len, ids);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!kids[i]) continue;
+        if (PyDict_SetItem(young, items[i], kids[i]) < 0) goto fail;
+        PyList_SetItem(out, i, kids[i]); /* (steals the reference; drops the None) */
+        kids[i] = NULL;
+    }
+    PyMem_Free(kids);
+    PyMem_Free(pending);
     Py_DECREF(seq);
     return PyLong_FromSsize_t(chars);
 python:
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:
+    if (kids)
+        for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(kids[i]);
+    PyMem_Free(kids);
+    PyMem_Free(pending);
     Py_DECREF(seq);
     return NULL;
 }
@@ -1293,6 +1438,7 @@ static PyTypeObject LinksType = {
 
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS, "fill(keys, out, young, old, max_key, room, chars_room) -> characters cached, or None"},
+    {"lanes", lanes, METH_O, "lanes(avx2) -> whether fill's four-lane digests run on AVX2 now (for the tests)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1301,6 +1447,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvtier_host", NULL,
 PyMODINIT_FUNC PyInit__kvtier_host(void) {
     start_state(BYTES_STATE, "kvtier-key-bytes");
     start_state(STR_STATE, "kvtier-key-str");
+    choose_digest4();
     if (PyType_Ready(&TableType) < 0 || PyType_Ready(&LinksType) < 0 || PyType_Ready(&StatesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -71,14 +71,26 @@ def _c_ids(lib, keys):
     return out
 
 
-def test_c_key_ids_are_the_python_ids(lib):
+@pytest.mark.parametrize("avx2", [True, False])
+def test_c_key_ids_are_the_python_ids(lib, avx2):
+    """Keys of one block (up to 128 bytes, bytes or ASCII) hash four at a time, in lanes of mixed
+    kinds and sizes and in short last groups, on AVX2 (where the CPU has it) and on the build for
+    any CPU; longer and non-ASCII keys one at a time: the ids of kvtier.index.keys.key_id."""
     rng = random.Random(1)
     keys = _random_keys(rng, 3000) + ["abc", b"abc", "a" * 128, b"a" * 128, "\ud800", "é"]
-    assert _c_ids(lib, keys) == [key_id(k) for k in keys]
-    assert _c_ids(lib, tuple(keys[:10])) == [key_id(k) for k in keys[:10]]
-    assert _c_ids(lib, []) == []
-    # "abc" and b"abc" keep two ids
-    assert _c_ids(lib, ["abc"]) != _c_ids(lib, [b"abc"])
+    want = [key_id(k) for k in keys]
+    has_avx2 = lib.lanes(True)
+    try:
+        assert lib.lanes(avx2) == (avx2 and has_avx2)
+        assert _c_ids(lib, keys) == want
+        for n in range(1, 10):  # every size of a last group of four
+            assert _c_ids(lib, keys[-n:]) == want[-n:]
+        assert _c_ids(lib, tuple(keys[:10])) == want[:10]
+        assert _c_ids(lib, []) == []
+        # "abc" and b"abc" keep two ids
+        assert _c_ids(lib, ["abc"]) != _c_ids(lib, [b"abc"])
+    finally:
+        lib.lanes(True)
 
 
 class _Bytes(bytes):
