@@ -1311,6 +1311,51 @@ fail: /* (before any change: memory ran out, or an id's hash failed) */
     return NULL;
 }
 
+/* hold_keyed(ids, table, touch) -> None | (slots, idle): TierIndex.hold_readable of distinct
+   16-byte ids on these arrays and their key table: when every id is keyed in `table` and its
+   slot readable (RESIDENT, DIRTY, OFFLOADING), each slot held by a copy (busy + 1; with `touch`,
+   hits + 1 up to 255) and (their slots in order, how many were idle before) returned; else
+   None, nothing changed. */
+static PyObject *states_hold_keyed(States *st, PyObject *args) {
+    PyObject *ids;
+    Table *t;
+    int touch;
+    if (!PyArg_ParseTuple(args, "O!O!p", &PyList_Type, &ids, &TableType, &t, &touch)) return NULL;
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    if (check_held(t) < 0) return NULL;
+    if (t->capacity != st->capacity) return PyErr_Format(PyExc_ValueError, "hold_keyed: a key table of another tier");
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    PyObject *slots = PyList_New(n);
+    if (!slots) return NULL;
+    const uint8_t *state = (const uint8_t *)st->state.buf;
+    for (Py_ssize_t i = 0; i < n; i++) { /* find every slot before changing anything */
+        PyObject *kid = PyList_GET_ITEM(ids, i);
+        int64_t home = home_of(t, kid);
+        if (home == -1) goto fail;
+        int32_t slot = home == -2 ? EMPTY : probe(t, PyBytes_AS_STRING(kid), (uint64_t)home, NULL);
+        if (slot == EMPTY || !READABLE(state[slot])) {
+            Py_DECREF(slots);
+            Py_RETURN_NONE;
+        }
+        PyObject *num = PyLong_FromLong(slot);
+        if (!num) goto fail;
+        PyList_SET_ITEM(slots, i, num);
+    }
+    int32_t *busy = (int32_t *)st->busy.buf;
+    uint8_t *hits = (uint8_t *)st->hits.buf;
+    Py_ssize_t idle = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long slot = PyLong_AsLong(PyList_GET_ITEM(slots, i));
+        if (!busy[slot]) idle++;
+        busy[slot]++;
+        if (touch && hits[slot] < 255) hits[slot]++;
+    }
+    return Py_BuildValue("(Nn)", slots, idle);
+fail:
+    Py_DECREF(slots);
+    return NULL;
+}
+
 static PyMethodDef states_methods[] = {
     {"reuse", (PyCFunction)states_reuse, METH_VARARGS, "reuse(slots, new, busy_delta) -> None or (left, undirty)"},
     {"mark", (PyCFunction)states_mark, METH_VARARGS, "mark(slots, state, busy, pins)"},
@@ -1318,6 +1363,7 @@ static PyMethodDef states_methods[] = {
      "commit(slots, ids, table, host_table, host_states) -> None or (dirty, absent_slots, absent_ids, keyed, clean)"},
     {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
     {"hold", (PyCFunction)states_hold, METH_VARARGS, "hold(slots, touch) -> slots idle before"},
+    {"hold_keyed", (PyCFunction)states_hold_keyed, METH_VARARGS, "hold_keyed(ids, table, touch) -> None or (slots, idle)"},
     {"unhold", (PyCFunction)states_unhold, METH_O, "unhold(slots) -> None or (adds, idle)"},
     {"unpin", (PyCFunction)states_unpin, METH_O, "unpin(slots) -> None or (adds, idle_filling, unheld)"},
     {NULL, NULL, 0, NULL},

@@ -447,7 +447,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
             index.hits[slot] = 254
     ids = iter([rng.randbytes(16) for _ in range(100000)])
     states = list(PageState)
-    counted = {"set_states": 0}
+    counted = {"set_states": 0, "hold_readable": 0}
     for step in range(600):
         op = rng.random()
         in_use = [s for s in range(cap) if c_index.state[s] != PageState.FREE]
@@ -475,8 +475,17 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
             picked = rng.sample(in_use, min(len(in_use), rng.randint(1, 60)))
             if rng.random() < 0.2:
                 picked += picked[:3]
-            name = rng.choice(["hold_all", "unhold_all"])
-            call = (name, (picked, rng.random() < 0.5) if name == "hold_all" else (picked,))
+            name = rng.choice(["hold_all", "unhold_all", "hold_readable"])
+            if name == "hold_readable":  # the ids of distinct keyed slots, readable or not, or one no tier holds
+                keyed = list(dict.fromkeys(s for s in picked if c_index.table.holds_key(s)))
+                if rng.random() < 0.5:
+                    keyed = [s for s in keyed if c_index.state[s] in (PageState.RESIDENT, PageState.DIRTY,
+                                                                       PageState.OFFLOADING)]
+                kids = [c_index.table.id_of(s) for s in keyed] + ([next(ids)] if rng.random() < 0.1 else [])
+                call = (name, (kids,))
+                counted["hold_readable"] += 1
+            else:
+                call = (name, (picked, rng.random() < 0.5) if name == "hold_all" else (picked,))
         elif in_use:
             new, delta = rng.choice(states), rng.choice([0, 0, 1, -1])
             fine = [s for s in in_use if LEGAL[c_index.state[s]][new] and c_index.busy[s] + delta >= 0
@@ -510,7 +519,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
         assert outcomes[0] == outcomes[1] and outcomes[0][0] == "ok", (step, name, outcomes)
         want = _tier_snapshot(py_index)
         assert _tier_snapshot(c_index) == want, (step, name)
-    assert counted["set_states"] > 120
+    assert counted["set_states"] > 120 and counted["hold_readable"] > 10, counted
 
 
 @pytest.mark.parametrize("fault", ["illegal", "held", "busy", "no copy", "repeat"])

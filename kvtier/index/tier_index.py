@@ -628,10 +628,19 @@ class TierIndex:
 
     def hold_readable(self, kids: list[bytes]) -> list[int] | None:
         """The slots of distinct ids, held (`hold_all`, touched) when every id is keyed here and
-        readable; else None, with nothing held. From MANY ids the lookup, the check and the hold
-        share one int64 array."""
+        readable; else None, with nothing held. One C pass where C is loaded; else from MANY ids
+        the lookup, the check and the hold share one int64 array."""
         if not kids:
             return []
+        c = self._c or self._native()
+        if c is not None and type(self.table) is KeyTable and type(kids) is list:  # one C pass
+            held = c.hold_keyed(kids, self.table._c or self.table._native(), True)
+            if held is None:
+                return None
+            slots, idle = held
+            self.busy_slots += idle
+            self.policy.remove_many(slots)
+            return slots
         if len(kids) < MANY:
             slots = self.table.get_many(kids)
             if min(slots) < 0 or not all(map(_READABLE.__getitem__, map(self.state.__getitem__, slots))):
