@@ -241,6 +241,43 @@ static PyObject *id_of_key(PyObject *key) {
     return PyBytes_FromStringAndSize((const char *)id, ID_BYTES);
 }
 
+/* known(keys, young) -> None | (ids, missing): kvtier.index.keys.key_ids' first look at a batch:
+   each key's id from the dict `young`, or None where it has none, and how many it lacks; None
+   when a key is not a non-empty plain str or bytes (the Python path names it). */
+static PyObject *known(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *keys, *young;
+    if (!PyArg_ParseTuple(args, "OO!", &keys, &PyDict_Type, &young)) return NULL;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        Py_ssize_t len;
+        if (PyBytes_CheckExact(key)) len = PyBytes_GET_SIZE(key);
+        else if (PyUnicode_CheckExact(key)) len = PyUnicode_GET_LENGTH(key);
+        else Py_RETURN_NONE;
+        if (len == 0) Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    Py_ssize_t missing = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *kid = PyDict_GetItemWithError(young, items[i]);
+        if (!kid) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            kid = Py_None;
+            missing++;
+        }
+        Py_INCREF(kid);
+        PyList_SET_ITEM(out, i, kid);
+    }
+    return Py_BuildValue("(Nn)", out, missing);
+}
+
 /* fill(keys, out, young, old, max_key, room, chars_room) -> int | None: kvtier.index.keys'
    _fill_new. For each position of `out` (a list as long as `keys`) that holds None: the key's
    id from the dict `old`, else hashed; every one of them cached in the dict `young` and written
@@ -1484,6 +1521,7 @@ static PyTypeObject LinksType = {
 
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS, "fill(keys, out, young, old, max_key, room, chars_room) -> characters cached, or None"},
+    {"known", known, METH_VARARGS, "known(keys, young) -> None or (ids with None where young has none, how many)"},
     {"lanes", lanes, METH_O, "lanes(avx2) -> whether fill's four-lane digests run on AVX2 now (for the tests)"},
     {NULL, NULL, 0, NULL},
 };

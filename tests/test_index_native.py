@@ -104,6 +104,22 @@ def test_c_key_ids_leave_anything_but_plain_non_empty_keys_to_python(lib, bad):
         lib.fill(5, [], {}, {}, 1 << 30, 1 << 30, 1 << 40)
 
 
+@pytest.mark.parametrize("bad", [b"", "", _Bytes(b"x"), bytearray(b"x"), 7, None, ["unhashable"]])
+def test_c_cached_ids_leave_anything_but_plain_non_empty_keys_to_python(lib, bad):
+    """`known` (key_ids' first look, at the young generation) answers plain non-empty keys only:
+    each key's cached id or None, and how many it lacks; for anything else key_ids takes the
+    Python path, which names a bad key and hashes a subclass of bytes."""
+    young = {b"fine": key_id(b"fine"), "also": key_id("also")}
+    assert lib.known([b"fine", "also", b"new"], young) == ([young[b"fine"], young["also"], None], 1)
+    assert lib.known((b"fine",), young) == ([young[b"fine"]], 0)
+    assert lib.known([b"fine", bad], young) is None
+    if type(bad) is _Bytes:  # a key, never cached
+        assert key_ids([b"fine", bad]) == [key_id(b"fine"), key_id(bytes(bad))]
+        return
+    with pytest.raises((TypeError, ValueError), match="^key 1: "):
+        key_ids([b"fine", bad])
+
+
 def test_key_ids_of_new_keys_are_the_same_on_both_paths(lib, monkeypatch):
     """key_ids' batch fill (every key new, or some cached) hashes in C; the same ids as one key
     at a time in Python."""

@@ -123,7 +123,15 @@ def key_ids(keys: Iterable[str | bytes], first: int = 0) -> list[bytes]:
         raise TypeError(f"keys must be a sequence of keys, got a single {type(keys).__name__} {_describe(keys)}")
     if type(keys) is not list and type(keys) is not tuple:
         keys = list(keys)
-    # A batch of plain, non-empty keys in C: the ids seen just now (a load after its match, a
+    lib = native.module()
+    if lib is not None:  # the same steps in C: the cached ids, then the others in one pass
+        found = lib.known(keys, _young)
+        if found is not None:
+            out, missing = found
+            if not missing or len(out) >= _FILL_BATCH_C and _fill_new(keys, out):
+                return out
+        return _key_ids_each(keys, first)
+    # A batch of plain, non-empty keys: the ids seen just now (a load after its match, a
     # step after the last) read from the young generation, the others found or hashed in one
     # pass and cached in one update.
     try:
@@ -133,10 +141,7 @@ def key_ids(keys: Iterable[str | bytes], first: int = 0) -> list[bytes]:
     if None not in out:  # (only non-empty keys are ever cached)
         if set(map(type, keys)) <= _PLAIN:
             return out
-    elif (
-        len(out) >= (_FILL_BATCH_C if native.module() is not None else _FILL_BATCH)
-        and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out)
-    ):
+    elif len(out) >= _FILL_BATCH and set(map(type, keys)) <= _PLAIN and all(keys) and _fill_new(keys, out):
         return out
     return _key_ids_each(keys, first)
 
