@@ -495,6 +495,35 @@ static int check_held(Table *t) {
     return 0;
 }
 
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
+/* Ids looked up a group at a time: a table of millions of slots lives in DRAM, and one probe
+   after the other would wait for each cache miss in turn. */
+#define GROUP 64
+
+/* The home bucket of each of `k` (at most GROUP) ids (as home_of: -2 for no 16-byte bytes
+   object) into `homes`, with each home bucket and then the id its slot holds asked from memory
+   ahead of the probes, so that the group's misses overlap; -1 with an error set. */
+static int homes_ahead(Table *t, PyObject *const *kids, Py_ssize_t k, int64_t *homes) {
+    const int32_t *buckets = (const int32_t *)t->buckets.buf;
+    const char *ids = (const char *)t->ids.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        homes[i] = home_of(t, kids[i]);
+        if (homes[i] == -1) return -1;
+        if (homes[i] >= 0) PREFETCH(buckets + homes[i]);
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (homes[i] < 0) continue;
+        int32_t slot = buckets[homes[i]];
+        if (slot != EMPTY) PREFETCH(ids + (size_t)slot * ID_BYTES);
+    }
+    return 0;
+}
+
 /* get(kids, out=None, leading=False): the slot of each id, or -1 (an id that is no 16-byte
    bytes object is not in the table). With `out` (a writable int64 buffer of len(kids) items),
    written there and None returned; else a list. With `leading`, the slots of the ids up to the
@@ -523,9 +552,10 @@ static PyObject *table_get(Table *t, PyObject *args) {
         list = PyList_New(leading ? 0 : n);
         if (!list) goto fail_seq;
     }
+    int64_t homes[GROUP];
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t home = home_of(t, items[i]);
-        if (home == -1) goto fail;
+        if (i % GROUP == 0 && homes_ahead(t, items + i, n - i < GROUP ? n - i : GROUP, homes) < 0) goto fail;
+        int64_t home = homes[i % GROUP];
         int32_t slot = home == -2 ? EMPTY : probe(t, PyBytes_AS_STRING(items[i]), (uint64_t)home, NULL);
         if (dst) {
             dst[i] = slot;
@@ -1279,17 +1309,20 @@ static PyObject *states_commit(States *st, PyObject *args) {
     }
     int64_t *hosts = homes + n;
     Py_ssize_t keyed = 0, clean = 0, absent = 0;
+    PyObject **kids = PySequence_Fast_ITEMS(ids);
+    int64_t dev_homes[GROUP], host_homes[GROUP];
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *kid = PyList_GET_ITEM(ids, i);
-        int64_t home = home_of(t, kid);
-        if (home == -1) goto fail;
+        if (i % GROUP == 0) {
+            Py_ssize_t k = n - i < GROUP ? n - i : GROUP;
+            if (homes_ahead(t, kids + i, k, dev_homes) < 0 || homes_ahead(ht, kids + i, k, host_homes) < 0) goto fail;
+        }
+        PyObject *kid = kids[i];
+        int64_t home = dev_homes[i % GROUP];
         if (home == -2) goto python;
         const char *raw = PyBytes_AS_STRING(kid);
         homes[i] = probe(t, raw, (uint64_t)home, NULL) == EMPTY ? home : -1;
         if (homes[i] < 0) continue;
-        int64_t hhome = home_of(ht, kid);
-        if (hhome == -1) goto fail;
-        hosts[i] = probe(ht, raw, (uint64_t)hhome, NULL);
+        hosts[i] = probe(ht, raw, (uint64_t)host_homes[i % GROUP], NULL);
         keyed++;
         if (hosts[i] == EMPTY) absent++;
         else if (READABLE(hstate[hosts[i]])) clean++;
@@ -1365,10 +1398,12 @@ static PyObject *states_hold_keyed(States *st, PyObject *args) {
     PyObject *slots = PyList_New(n);
     if (!slots) return NULL;
     const uint8_t *state = (const uint8_t *)st->state.buf;
+    PyObject **kids = PySequence_Fast_ITEMS(ids);
+    int64_t homes[GROUP];
     for (Py_ssize_t i = 0; i < n; i++) { /* find every slot before changing anything */
-        PyObject *kid = PyList_GET_ITEM(ids, i);
-        int64_t home = home_of(t, kid);
-        if (home == -1) goto fail;
+        if (i % GROUP == 0 && homes_ahead(t, kids + i, n - i < GROUP ? n - i : GROUP, homes) < 0) goto fail;
+        PyObject *kid = kids[i];
+        int64_t home = homes[i % GROUP];
         int32_t slot = home == -2 ? EMPTY : probe(t, PyBytes_AS_STRING(kid), (uint64_t)home, NULL);
         if (slot == EMPTY || !READABLE(state[slot])) {
             Py_DECREF(slots);
