@@ -1428,6 +1428,23 @@ fail:
     return NULL;
 }
 
+/* touch(slots) -> None: hits + 1 of each slot, in order, up to 255 (TierIndex.touch_all). */
+static PyObject *states_touch(States *st, PyObject *obj) {
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    uint8_t *hits = (uint8_t *)st->hits.buf;
+    for (Py_ssize_t i = 0; i < arg.n; i++) {
+        if (i % GROUP == 0) {
+            Py_ssize_t end = arg.n - i < GROUP ? arg.n : i + GROUP;
+            for (Py_ssize_t j = i; j < end; j++) PREFETCH(hits + arg.at[j]);
+        }
+        if (hits[arg.at[i]] < 255) hits[arg.at[i]]++;
+    }
+    slots_release(&arg);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef states_methods[] = {
     {"reuse", (PyCFunction)states_reuse, METH_VARARGS, "reuse(slots, new, busy_delta) -> None or (left, undirty)"},
     {"mark", (PyCFunction)states_mark, METH_VARARGS, "mark(slots, state, busy, pins)"},
@@ -1435,6 +1452,7 @@ static PyMethodDef states_methods[] = {
      "commit(slots, ids, table, host_table, host_states) -> None or (dirty, absent_slots, absent_ids, keyed, clean)"},
     {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
     {"hold", (PyCFunction)states_hold, METH_VARARGS, "hold(slots, touch) -> slots idle before"},
+    {"touch", (PyCFunction)states_touch, METH_O, "touch(slots): hits + 1 of each, up to 255"},
     {"hold_keyed", (PyCFunction)states_hold_keyed, METH_VARARGS, "hold_keyed(ids, table, touch) -> None or (slots, idle)"},
     {"unhold", (PyCFunction)states_unhold, METH_O, "unhold(slots) -> None or (adds, idle)"},
     {"unpin", (PyCFunction)states_unpin, METH_O, "unpin(slots) -> None or (adds, idle_filling, unheld)"},
@@ -1489,6 +1507,49 @@ static PyObject *links_append(Links *l, PyObject *args) {
     return PyLong_FromSsize_t(added);
 }
 
+/* touch(slots, stamp) -> int: each slot listed now moved to the end in order (the others left
+   out), its stamp `stamp`, `stamp` + 1, ...; how many moved (LRUPolicy.touch_many). A group's
+   links are fetched ahead: the slots of a large tier lie far apart. */
+static PyObject *links_touch(Links *l, PyObject *args) {
+    PyObject *obj;
+    long long now;
+    if (!PyArg_ParseTuple(args, "OL", &obj, &now)) return NULL;
+    if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
+    Slots arg;
+    if (slots_arg(obj, l->capacity, &arg) < 0) return NULL;
+    const int64_t *slots = arg.at;
+    Py_ssize_t n = arg.n;
+    int32_t *nxt = (int32_t *)l->next.buf, *prv = (int32_t *)l->prev.buf;
+    const uint8_t *member = (const uint8_t *)l->member.buf;
+    int64_t *stamp = (int64_t *)l->stamp.buf;
+    int32_t head = (int32_t)l->capacity;
+    Py_ssize_t moved = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i % GROUP == 0) {
+            Py_ssize_t end = n - i < GROUP ? n : i + GROUP;
+            for (Py_ssize_t j = i; j < end; j++) {
+                PREFETCH(member + slots[j]);
+                PREFETCH(nxt + slots[j]);
+                PREFETCH(prv + slots[j]);
+            }
+        }
+        int32_t slot = (int32_t)slots[i];
+        if (!member[slot]) continue;
+        int32_t p = prv[slot], q = nxt[slot];
+        nxt[p] = q;
+        prv[q] = p;
+        stamp[slot] = now++;
+        int32_t last = prv[head];
+        nxt[last] = slot;
+        prv[slot] = last;
+        nxt[slot] = head;
+        prv[head] = slot;
+        moved++;
+    }
+    slots_release(&arg);
+    return PyLong_FromSsize_t(moved);
+}
+
 /* discard(slots) -> int: the listed ones leave (the order of the rest stays); how many left. */
 static PyObject *links_discard(Links *l, PyObject *obj) {
     if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
@@ -1538,6 +1599,7 @@ static PyObject *links_first(Links *l, PyObject *arg) {
 
 static PyMethodDef links_methods[] = {
     {"append", (PyCFunction)links_append, METH_VARARGS, "append(slots, stamp) -> slots newly listed"},
+    {"touch", (PyCFunction)links_touch, METH_VARARGS, "touch(slots, stamp) -> listed slots moved to the end"},
     {"discard", (PyCFunction)links_discard, METH_O, "discard(slots) -> slots that left"},
     {"first", (PyCFunction)links_first, METH_O, "first(n) -> up to n slots from the front"},
     {NULL, NULL, 0, NULL},

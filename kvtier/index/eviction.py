@@ -88,6 +88,10 @@ class LRUPolicy(SlotList, EvictionPolicy):
     remove_many_distinct = SlotList.discard_distinct
 
     def touch_many(self, slots: list[int]) -> None:
+        c = self._c or self._native()
+        if c is not None:  # in C: the listed ones moved to the end in one pass
+            self._stamps += c.touch(slots, self._stamps)
+            return
         if len(slots) >= slot_list.BULK:  # the listed ones picked in numpy
             at = np.asarray(slots, dtype=np.int64)
             self.extend(at[self._np_member[at] != 0].tolist())

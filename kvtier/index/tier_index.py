@@ -730,6 +730,11 @@ class TierIndex:
 
     def touch_all(self, slots: list[int]) -> None:
         """`touch` of each slot, in order."""
+        c = self._c or self._native()
+        if c is not None:
+            c.touch(slots)
+            self.policy.touch_many(slots)
+            return
         at = self._unique_slots(slots)
         if at is not None:
             hits = self._np_hits
