@@ -280,8 +280,10 @@ static PyObject *known(PyObject *self, PyObject *args) {
 
 /* fill(keys, out, young, old, max_key, room, chars_room) -> int | None: kvtier.index.keys'
    _fill_new. For each position of `out` (a list as long as `keys`) that holds None: the key's
-   id from the dict `old`, else hashed; every one of them cached in the dict `young` and written
-   to `out`. Returns how many characters (or bytes) the new keys hold; None, with nothing
+   id hashed (a key of one block: four at a time, in about the time a lookup in the dict `old`
+   would take, so `old` is not asked), or from `old`, else hashed (a longer key); every one of
+   them cached in the dict `young` and written to `out` (the same ids and the same young
+   generation as the Python fill). Returns how many characters (or bytes) the new keys hold; None, with nothing
    changed, when a key is not a non-empty plain str or bytes, one is longer than `max_key`, they
    are `room` keys or more, or hold `chars_room` characters or more (the cache turns over: the
    Python loop does that). */
@@ -327,15 +329,17 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyList_GET_ITEM(out, i) != Py_None) continue;
         PyObject *key = items[i];
-        PyObject *kid = PyDict_GetItemWithError(old, key);
-        if (kid) {
-            Py_INCREF(kid);
-            kids[i] = kid;
-            continue;
-        }
-        if (PyErr_Occurred()) goto fail;
         int one_block = PyBytes_CheckExact(key) ? PyBytes_GET_SIZE(key) <= 128
                                                 : PyUnicode_IS_ASCII(key) && PyUnicode_GET_LENGTH(key) <= 128;
+        if (!one_block) { /* (a key of one block hashes in about the time a lookup in `old` takes) */
+            PyObject *kid = PyDict_GetItemWithError(old, key);
+            if (kid) {
+                Py_INCREF(kid);
+                kids[i] = kid;
+                continue;
+            }
+            if (PyErr_Occurred()) goto fail;
+        }
         if (one_block) {
             kids[i] = PyBytes_FromStringAndSize(NULL, ID_BYTES);
             if (!kids[i]) goto fail;
