@@ -1620,8 +1620,32 @@ static PyTypeObject LinksType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* set_where(numbers, slots, value, when) -> None: numbers[slot] = value for each of `slots`
+   (in range of the writable int64 buffer `numbers`) whose number is `when`, or every one when
+   `when` is negative (kvtier.pool.landing's marks and clears). */
+static PyObject *set_where(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *buf, *obj;
+    long long value, when;
+    if (!PyArg_ParseTuple(args, "OOLL", &buf, &obj, &value, &when)) return NULL;
+    Py_buffer view;
+    if (writable(buf, &view, 8, "numbers") < 0) return NULL;
+    Slots arg;
+    if (slots_arg(obj, view.len / 8, &arg) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int64_t *numbers = (int64_t *)view.buf;
+    for (Py_ssize_t i = 0; i < arg.n; i++)
+        if (when < 0 || numbers[arg.at[i]] == when) numbers[arg.at[i]] = value;
+    slots_release(&arg);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS, "fill(keys, out, young, old, max_key, room, chars_room) -> characters cached, or None"},
+    {"set_where", set_where, METH_VARARGS, "set_where(numbers, slots, value, when): numbers[slot] = value where it is `when` (or always, when < 0)"},
     {"known", known, METH_VARARGS, "known(keys, young) -> None or (ids with None where young has none, how many)"},
     {"lanes", lanes, METH_O, "lanes(avx2) -> whether fill's four-lane digests run on AVX2 now (for the tests)"},
     {NULL, NULL, 0, NULL},

@@ -739,3 +739,37 @@ def test_a_faulty_commit_raises_the_python_error_and_changes_nothing(lib, monkey
     c_got, py_got = _on_both_paths(monkeypatch, run)
     assert c_got == py_got
     assert (c_got[0][0] == "ok") == (fault == "numpy"), c_got[0]
+
+
+def test_landing_marks_and_clears_in_c_as_numpy_does(lib, monkeypatch):
+    """The pool's record of which reload lands in which device slot: random marks (over earlier
+    ones) and clears (of the slots a reload still holds) leave the same numbers and find the
+    same reloads on the C path as on numpy."""
+    from kvtier.pool.landing import Landing
+    from kvtier.transfer import DoneTicket
+
+    rng = random.Random(4)
+    cap = 500
+    c_land, py_land = Landing(cap), Landing(cap)
+    marked: list = []
+    for step in range(400):
+        if marked and rng.random() < 0.4:
+            slots, number = marked.pop(rng.randrange(len(marked)))
+            args = ("clear", slots, number)
+        else:
+            slots = rng.sample(range(cap), rng.randint(0, 60))
+            args = ("mark", np.asarray(slots, dtype=np.int64) if rng.random() < 0.3 else slots, DoneTicket(1))
+        got = []
+        for land, python in ((c_land, False), (py_land, True)):
+            with monkeypatch.context() as m:
+                if python:
+                    python_index_paths(m)
+                got.append(getattr(land, args[0])(*args[1:]))
+        if args[0] == "mark":
+            assert got[0] == got[1]
+            marked.append((args[1], got[0]))
+        assert np.array_equal(c_land._of, py_land._of), step
+        probe = rng.sample(range(cap), 30)
+        assert [id(t) for t in c_land.tickets_of(probe)] == [id(t) for t in py_land.tickets_of(probe)]
+        assert sorted(c_land._tickets) == sorted(py_land._tickets)
+    assert c_land._of.any()

@@ -4,13 +4,15 @@ Owns one number per device slot (0: nothing landing; else the number of the relo
 into it) and the reloads by number, so a load marks and clears a chunk's slots with one numpy
 assignment each instead of a dict entry per page, and finds the reloads still landing in the
 pages it reuses in one gather. The pool (pool.py, loading.py, movement.py) uses it under its
-lock. It must never decide anything about a page.
+lock. Where kvtier.index.native is loaded, marks and clears run there (`set_where`). It must
+never decide anything about a page.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvtier.index import native
 from kvtier.index.slot_list import first_of_each
 from kvtier.transfer import Ticket
 
@@ -30,17 +32,25 @@ class Landing:
         """`ticket` now lands in `slots` (overriding what landed there before); its number."""
         number = self._next
         self._next += 1
-        self._of[np.asarray(slots, dtype=np.int64)] = number
+        lib = native.module()
+        if lib is not None:
+            lib.set_where(self._of, slots, number, -1)
+        else:
+            self._of[np.asarray(slots, dtype=np.int64)] = number
         self._tickets[number] = ticket
         return number
 
     def clear(self, slots, number: int) -> None:
         """Reload `number` no longer lands in `slots` (those it still held): it landed, or the
         load that started it gave the pages up. The reload is forgotten."""
-        at = np.asarray(slots, dtype=np.int64)
-        if at.size:
-            mine = at[self._of[at] == number]
-            self._of[mine] = 0
+        lib = native.module()
+        if lib is not None:
+            lib.set_where(self._of, slots, 0, number)
+        else:
+            at = np.asarray(slots, dtype=np.int64)
+            if at.size:
+                mine = at[self._of[at] == number]
+                self._of[mine] = 0
         self._tickets.pop(number, None)
 
     def tickets_of(self, slots) -> list[Ticket]:
