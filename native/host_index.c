@@ -1449,6 +1449,30 @@ static PyObject *states_touch(States *st, PyObject *obj) {
     Py_RETURN_NONE;
 }
 
+/* idle(slots) -> list: the slots of `slots` no copy is using (busy 0), in order. */
+static PyObject *states_idle(States *st, PyObject *obj) {
+    if (!st->held) return PyErr_Format(PyExc_ValueError, "States: not initialised");
+    Slots arg;
+    if (slots_arg(obj, st->capacity, &arg) < 0) return NULL;
+    const int32_t *busy = (const int32_t *)st->busy.buf;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < arg.n; i++) k += !busy[arg.at[i]];
+    PyObject *out = PyList_New(k);
+    if (!out) goto done;
+    for (Py_ssize_t i = 0, j = 0; i < arg.n; i++) {
+        if (busy[arg.at[i]]) continue;
+        PyObject *num = PyLong_FromLongLong(arg.at[i]);
+        if (!num) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, j++, num);
+    }
+done:
+    slots_release(&arg);
+    return out;
+}
+
 static PyMethodDef states_methods[] = {
     {"reuse", (PyCFunction)states_reuse, METH_VARARGS, "reuse(slots, new, busy_delta) -> None or (left, undirty)"},
     {"mark", (PyCFunction)states_mark, METH_VARARGS, "mark(slots, state, busy, pins)"},
@@ -1457,6 +1481,7 @@ static PyMethodDef states_methods[] = {
     {"set", (PyCFunction)states_set, METH_VARARGS, "set(slots, new, busy_delta) -> None or the changes to apply"},
     {"hold", (PyCFunction)states_hold, METH_VARARGS, "hold(slots, touch) -> slots idle before"},
     {"touch", (PyCFunction)states_touch, METH_O, "touch(slots): hits + 1 of each, up to 255"},
+    {"idle", (PyCFunction)states_idle, METH_O, "idle(slots) -> the slots no copy is using, in order"},
     {"hold_keyed", (PyCFunction)states_hold_keyed, METH_VARARGS, "hold_keyed(ids, table, touch) -> None or (slots, idle)"},
     {"unhold", (PyCFunction)states_unhold, METH_O, "unhold(slots) -> None or (adds, idle)"},
     {"unpin", (PyCFunction)states_unpin, METH_O, "unpin(slots) -> None or (adds, idle_filling, unheld)"},

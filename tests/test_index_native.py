@@ -493,7 +493,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
             picked = rng.sample(in_use, min(len(in_use), rng.randint(1, 60)))
             if rng.random() < 0.2:
                 picked += picked[:3]
-            name = rng.choice(["hold_all", "unhold_all", "hold_readable", "touch_all"])
+            name = rng.choice(["hold_all", "unhold_all", "hold_readable", "touch_all", "idle"])
             if name == "hold_readable":  # the ids of distinct keyed slots, readable or not, or one no tier holds
                 keyed = list(dict.fromkeys(s for s in picked if c_index.table.holds_key(s)))
                 if rng.random() < 0.5:
@@ -502,7 +502,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
                 kids = [c_index.table.id_of(s) for s in keyed] + ([next(ids)] if rng.random() < 0.1 else [])
                 call = (name, (kids,))
                 counted["hold_readable"] += 1
-            elif name == "touch_all":  # (repeats too: each counts a use)
+            elif name in ("touch_all", "idle"):  # (repeats too: each counts a use, or is answered)
                 call = (name, (picked,))
                 counted["touch_all"] += 1
             else:

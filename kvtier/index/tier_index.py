@@ -137,7 +137,10 @@ class TierIndex:
         return [slot for slot in dirty if keep(hits[slot])]
 
     def idle(self, slots: Sequence[int]) -> list[int]:
-        """The slots of `slots` no copy is using, in order (long batches in numpy)."""
+        """The slots of `slots` no copy is using, in order (in C, else long batches in numpy)."""
+        c = self._c or self._native()
+        if c is not None:
+            return c.idle(slots)
         if len(slots) >= BULK:
             at = np.asarray(slots, dtype=np.int64)
             return at[self._np_busy[at] == 0].tolist()

@@ -44,8 +44,17 @@ class Draining:
             with self._lock:
                 began = time.monotonic()
                 self._reap()
+                dev = self._dev
+                dev_kept = dev.dirty_kept(keep)
+                kept_ids = None
                 if owed is None:  # one block of ids (no object a page) until a round leaves some
-                    owed = b"".join(b"".join(index.ids_of(slots)) for index, slots in self._not_durable_slots())
+                    parts = []
+                    for index, slots in self._not_durable_slots(dev_kept):
+                        ids = index.ids_of(slots)
+                        if slots is dev_kept:
+                            kept_ids = ids
+                        parts.append(b"".join(ids))
+                    owed = b"".join(parts)
                 # Host pages first: their backups probe a remote tier the breaker holds off.
                 # A page already queued keeps its place (appending would move it behind the
                 # pages committed since, which steady commits would keep doing).
@@ -61,15 +70,15 @@ class Draining:
                 # follows every queued batch's): the offload thread's queued batches go, or one
                 # would copy a page again after flush returned, once something made it dirty.
                 self._pending_down.clear()
-                dev = self._dev
-                dev_dirty = dev.idle(dev.dirty_kept(keep))
+                dev_dirty = dev.idle(dev_kept)
                 # A copy down needs host room, which an unhealthy remote tier makes by dropping
                 # dirty host pages: the first round lets the probe answer before copying down.
                 waiting_for_probe = (probe_first and dev_dirty and self._link is not None
                                      and not self._breaker.healthy and len(self._backup_queue))
                 probe_first = False
                 if dev_dirty and not waiting_for_probe:
-                    self._copy_down(dev_dirty, evicting=False)
+                    # (every kept page idle, the common case: their ids are those just read)
+                    self._copy_down(dev_dirty, evicting=False, ids=kept_ids if len(dev_dirty) == len(dev_kept) else None)
                 locked = time.monotonic() - began
             # Wait for everything this round started (or a round's time, while backups are still
             # queued), then look again while that helps.
@@ -96,17 +105,19 @@ class Draining:
                         left + gone, dict(self.counters.remote_failures), self._breaker.last_error)
         return left, gone
 
-    def _not_durable_slots(self) -> list[tuple]:
+    def _not_durable_slots(self, dev_kept: list[int] | None = None) -> list[tuple]:
         """(tier, slots) of the pages the write policy keeps that no last tier holds yet, dirty
         or being copied down, for the device then the host tier (the host tier's only with a
         remote tier). O(dirty pages); slots being copied are found with one vectorized scan of
-        the tier's states, only while copies are in flight."""
+        the tier's states, only while copies are in flight. dev_kept: the device's kept dirty
+        slots, when the caller has them (they are the device's slots then, unless copies are
+        in flight)."""
         keep = None if self.write_policy.keeps_every_page else self.write_policy.copy_on_evict
         found = []
         for index in (self._dev, self._host):
             slots: list[int] = []
             if index is self._dev or self._link is not None:
-                slots = index.dirty_kept(keep, ordered=False)
+                slots = dev_kept if index is self._dev and dev_kept is not None else index.dirty_kept(keep, ordered=False)
                 if index.counts[S.OFFLOADING]:
                     slots = slots + index.slots_in(S.OFFLOADING)
             found.append((index, slots))

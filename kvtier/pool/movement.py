@@ -27,16 +27,18 @@ _READABLE = [s in (S.RESIDENT, S.DIRTY, S.OFFLOADING) for s in PageState]
 
 class Movement:
     # --- internals: copies -----------------------------------------------------------------
-    def _copy_down(self, dev_slots: list[int], evicting: bool) -> list[int]:
+    def _copy_down(self, dev_slots: list[int], evicting: bool, ids: list[bytes] | None = None) -> list[int]:
         """Start offloading dirty device pages to the host tier (as many as it has room for now).
 
         Pages the host tier already has become clean at once; pages it is still fetching are
         left dirty. evicting: each page copied is freed when its copy lands. Returns the device
-        slots that are clean now or whose copy started. Never waits.
+        slots that are clean now or whose copy started. Never waits. ids: the slots' key ids,
+        when the caller has read them.
         """
         dev, host = self._dev, self._host
         hstate, readable = host.state, _READABLE
-        ids = dev.ids_of(dev_slots)
+        if ids is None:
+            ids = dev.ids_of(dev_slots)
         found = host.table.get_many(ids)
         if max(found, default=-1) < 0:  # none in the host tier (the common case): no loop
             return self._start_copy_down(list(dev_slots), ids, evicting)
