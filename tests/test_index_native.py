@@ -493,7 +493,7 @@ def test_c_state_changes_leave_what_the_python_loops_leave(lib, monkeypatch, see
             picked = rng.sample(in_use, min(len(in_use), rng.randint(1, 60)))
             if rng.random() < 0.2:
                 picked += picked[:3]
-            name = rng.choice(["hold_all", "unhold_all", "hold_readable", "touch_all", "idle"])
+            name = rng.choice(["hold_all", "unhold_all", "hold_readable", "hold_readable", "touch_all", "idle"])
             if name == "hold_readable":  # the ids of distinct keyed slots, readable or not, or one no tier holds
                 keyed = list(dict.fromkeys(s for s in picked if c_index.table.holds_key(s)))
                 if rng.random() < 0.5:
