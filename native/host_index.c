@@ -7,10 +7,13 @@
    wraps the arrays of one Python object and changes them exactly as its Python code would, so
    the two paths may be mixed on one object.
 
-   fill(...): the key-id cache's batch fill (kvtier.index.keys._fill_new). A key's id is BLAKE2b
-   (RFC 7693) with a 16-byte digest and the key's type in the personalization,
-   "kvtier-key-bytes" for bytes and "kvtier-key-str" for str (its UTF-8 bytes, surrogates
-   passed), as kvtier.index.keys.key_id.
+   known(...), fill(...): the key-id cache's look-up and batch fill (kvtier.index.keys.key_ids,
+   _fill_new). A key's id is BLAKE2b (RFC 7693) with a 16-byte digest and the key's type in the
+   personalization, "kvtier-key-bytes" for bytes and "kvtier-key-str" for str (its UTF-8 bytes,
+   surrogates passed), as kvtier.index.keys.key_id; keys of one block hash four at a time in
+   vector lanes (AVX2 where the CPU has it).
+
+   set_where(...): kvtier.pool.landing's marks and clears of one number a device slot.
 
    Table(buckets, ids, bucket_of, home, mask): the probes of a KeyTable with Python's hash of each
    16-byte id (the same SipHash the Python code uses, cached in the bytes object).
@@ -18,8 +21,16 @@
    Links(next, prev, member, stamp): the links of a SlotList, appended and unlinked one slot
    after the other as its one-at-a-time paths do.
 
+   Links(...) also moves listed slots to the end (LRUPolicy.touch_many).
+
    States(state, pins, busy, hits, legal, evictable): a TierIndex's state changes, holds, copy
-   ends, unpins and reuse; it keeps only a scratch array to find repeated slots. */
+   ends, unpins, reuse, touches and idle slots, and two calls across tables: a pool commit's
+   whole bookkeeping (`commit`: the device tier's arrays and key table, the host tier's key
+   table and states) and `hold_keyed` (TierIndex.hold_readable); it keeps only a scratch array
+   to find repeated slots.
+
+   Lookups go a group of ids at a time, each id's home bucket and slot id fetched ahead, so that
+   the cache misses of a table of millions of slots overlap. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
