@@ -26,14 +26,19 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-from prometheus_client import CollectorRegistry
+# This checkout's kvtier first (an installed kvtier would otherwise answer an A/B's older copy).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtier import PageFormat, TieredPool, prefix_keys
-from kvtier.index import native
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from kvtier import PageFormat, TieredPool, prefix_keys  # noqa: E402
+from kvtier.index import native  # noqa: E402
 
 FORMATS = {
     "32L fp8 (1 MiB)": dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="fp8_e4m3",

@@ -40,13 +40,17 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
-import numpy as np
-import torch
-from prometheus_client import CollectorRegistry, generate_latest
+# This checkout's kvtier first (an installed kvtier would otherwise answer an A/B's older copy).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtier import PageFormat, TieredPool, metrics, prefix_keys
-from kvtier.transfer import DoneTicket, TransferEngine
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+
+from kvtier import PageFormat, TieredPool, metrics, prefix_keys  # noqa: E402
+from kvtier.transfer import DoneTicket, TransferEngine  # noqa: E402
 
 
 class NoCopyEngine(TransferEngine):
