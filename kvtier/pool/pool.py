@@ -313,12 +313,15 @@ class TieredPool(Loading, Draining, Movement, TierRoom):
         with self._lock:
             self._check_open()
             self._reap()
+            # The event first: if recording it fails, no page has changed. (A commit that then
+            # names a fault leaves a later event as the latest: copies that wait on it still wait
+            # for everything the engine had queued.)
+            ready = self._ready = self.engine.record_ready()
             done = self._dev.commit_fresh(slots, ids, self._host) if one_pass else None
             if done is None:
                 if one_pass:
                     slots = check_slots(slots, self._dev.capacity)
                 self._check_fresh("commit", slots)
-            ready = self._ready = self.engine.record_ready()
             if not chunked:
                 copies = self.write_policy.copy_on_commit()
                 if done is not None:
