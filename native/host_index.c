@@ -66,18 +66,40 @@ static const uint8_t SIGMA[12][16] = {
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
-static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+/* A right rotation of 64-bit words: of one word, or of each lane of a vector of them. */
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
 
+/* The mixing step, on words or on vectors of four lanes alike. */
 #define G(a, b, c, d, x, y)          \
     do {                             \
         a = a + b + (x);             \
-        d = rotr64(d ^ a, 32);       \
+        d = ROTR(d ^ a, 32);         \
         c = c + d;                   \
-        b = rotr64(b ^ c, 24);       \
+        b = ROTR(b ^ c, 24);         \
         a = a + b + (y);             \
-        d = rotr64(d ^ a, 16);       \
+        d = ROTR(d ^ a, 16);         \
         c = c + d;                   \
-        b = rotr64(b ^ c, 63);       \
+        b = ROTR(b ^ c, 63);         \
+    } while (0)
+
+/* The twelve rounds over `v` and `m` with the step `g` (on words or on four lanes), every
+   round spelled out so the schedule's indices are constants and `m` stays in registers. */
+#define ROUND(g, r)                                                    \
+    do {                                                               \
+        g(v[0], v[4], v[8], v[12], m[SIGMA[r][0]], m[SIGMA[r][1]]);    \
+        g(v[1], v[5], v[9], v[13], m[SIGMA[r][2]], m[SIGMA[r][3]]);    \
+        g(v[2], v[6], v[10], v[14], m[SIGMA[r][4]], m[SIGMA[r][5]]);   \
+        g(v[3], v[7], v[11], v[15], m[SIGMA[r][6]], m[SIGMA[r][7]]);   \
+        g(v[0], v[5], v[10], v[15], m[SIGMA[r][8]], m[SIGMA[r][9]]);   \
+        g(v[1], v[6], v[11], v[12], m[SIGMA[r][10]], m[SIGMA[r][11]]); \
+        g(v[2], v[7], v[8], v[13], m[SIGMA[r][12]], m[SIGMA[r][13]]);  \
+        g(v[3], v[4], v[9], v[14], m[SIGMA[r][14]], m[SIGMA[r][15]]);  \
+    } while (0)
+#define ROUNDS(g)                                                          \
+    do {                                                                   \
+        ROUND(g, 0); ROUND(g, 1); ROUND(g, 2); ROUND(g, 3); ROUND(g, 4);   \
+        ROUND(g, 5); ROUND(g, 6); ROUND(g, 7); ROUND(g, 8); ROUND(g, 9);   \
+        ROUND(g, 10); ROUND(g, 11);                                        \
     } while (0)
 
 static void compress(uint64_t h[8], const uint8_t block[128], uint64_t counter, int last) {
@@ -89,21 +111,7 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t counter, 
     }
     v[12] ^= counter;
     if (last) v[14] = ~v[14];
-    /* Every round spelled out, so the schedule's indices are constants and m stays in registers. */
-#define ROUND(r)                                                       \
-    do {                                                               \
-        G(v[0], v[4], v[8], v[12], m[SIGMA[r][0]], m[SIGMA[r][1]]);    \
-        G(v[1], v[5], v[9], v[13], m[SIGMA[r][2]], m[SIGMA[r][3]]);    \
-        G(v[2], v[6], v[10], v[14], m[SIGMA[r][4]], m[SIGMA[r][5]]);   \
-        G(v[3], v[7], v[11], v[15], m[SIGMA[r][6]], m[SIGMA[r][7]]);   \
-        G(v[0], v[5], v[10], v[15], m[SIGMA[r][8]], m[SIGMA[r][9]]);   \
-        G(v[1], v[6], v[11], v[12], m[SIGMA[r][10]], m[SIGMA[r][11]]); \
-        G(v[2], v[7], v[8], v[13], m[SIGMA[r][12]], m[SIGMA[r][13]]);  \
-        G(v[3], v[4], v[9], v[14], m[SIGMA[r][14]], m[SIGMA[r][15]]);  \
-    } while (0)
-    ROUND(0); ROUND(1); ROUND(2); ROUND(3); ROUND(4); ROUND(5);
-    ROUND(6); ROUND(7); ROUND(8); ROUND(9); ROUND(10); ROUND(11);
-#undef ROUND
+    ROUNDS(G);
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
@@ -144,20 +152,6 @@ static void digest(const uint64_t start[8], const uint8_t *data, size_t len, uin
    chosen when the CPU has it; elsewhere the compiler's own vectors. */
 typedef uint64_t lanes4 __attribute__((vector_size(32)));
 
-#define rotr4(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
-
-#define G4(a, b, c, d, x, y)         \
-    do {                             \
-        a = a + b + (x);             \
-        d = rotr4(d ^ a, 32);        \
-        c = c + d;                   \
-        b = rotr4(b ^ c, 24);        \
-        a = a + b + (y);             \
-        d = rotr4(d ^ a, 16);        \
-        c = c + d;                   \
-        b = rotr4(b ^ c, 63);        \
-    } while (0)
-
 /* ids[k] (16 bytes) of message k: `len[k]` (1 to 128) bytes at `data[k]`, from start state `start[k]`. */
 static inline __attribute__((always_inline)) void digest4_body(const uint64_t *const start[4], const uint8_t *const data[4],
                                                                const size_t len[4], uint8_t *const ids[4]) {
@@ -173,20 +167,7 @@ static inline __attribute__((always_inline)) void digest4_body(const uint64_t *c
     }
     v[12] ^= (lanes4){len[0], len[1], len[2], len[3]};
     v[14] = ~v[14];
-#define ROUND4(r)                                                       \
-    do {                                                                \
-        G4(v[0], v[4], v[8], v[12], m[SIGMA[r][0]], m[SIGMA[r][1]]);    \
-        G4(v[1], v[5], v[9], v[13], m[SIGMA[r][2]], m[SIGMA[r][3]]);    \
-        G4(v[2], v[6], v[10], v[14], m[SIGMA[r][4]], m[SIGMA[r][5]]);   \
-        G4(v[3], v[7], v[11], v[15], m[SIGMA[r][6]], m[SIGMA[r][7]]);   \
-        G4(v[0], v[5], v[10], v[15], m[SIGMA[r][8]], m[SIGMA[r][9]]);   \
-        G4(v[1], v[6], v[11], v[12], m[SIGMA[r][10]], m[SIGMA[r][11]]); \
-        G4(v[2], v[7], v[8], v[13], m[SIGMA[r][12]], m[SIGMA[r][13]]);  \
-        G4(v[3], v[4], v[9], v[14], m[SIGMA[r][14]], m[SIGMA[r][15]]);  \
-    } while (0)
-    ROUND4(0); ROUND4(1); ROUND4(2); ROUND4(3); ROUND4(4); ROUND4(5);
-    ROUND4(6); ROUND4(7); ROUND4(8); ROUND4(9); ROUND4(10); ROUND4(11);
-#undef ROUND4
+    ROUNDS(G);
     lanes4 w0 = h[0] ^ v[0] ^ v[8], w1 = h[1] ^ v[1] ^ v[9];
     for (int k = 0; k < 4; k++) {
         uint64_t out[2] = {w0[k], w1[k]};
@@ -1510,9 +1491,11 @@ static PyTypeObject StatesType = {
     .tp_new = PyType_GenericNew,
 };
 
-/* append(slots, stamp) -> int: each slot to the end in order (moved there if listed), its stamp
-   `stamp`, `stamp` + 1, ...; how many were not listed before. */
-static PyObject *links_append(Links *l, PyObject *args) {
+/* Each of `slots` to the end in order (moved there if listed; with `listed_only`, the slots not
+   listed left out), its stamp `stamp`, `stamp` + 1, ...; how many were newly listed (or, with
+   `listed_only`, moved). A group's links are fetched ahead: the slots of a large tier lie far
+   apart. */
+static PyObject *links_to_end(Links *l, PyObject *args, int listed_only) {
     PyObject *obj;
     long long now;
     if (!PyArg_ParseTuple(args, "OL", &obj, &now)) return NULL;
@@ -1525,45 +1508,7 @@ static PyObject *links_append(Links *l, PyObject *args) {
     uint8_t *member = (uint8_t *)l->member.buf;
     int64_t *stamp = (int64_t *)l->stamp.buf;
     int32_t head = (int32_t)l->capacity;
-    Py_ssize_t added = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t slot = (int32_t)slots[i];
-        if (member[slot]) {
-            int32_t p = prv[slot], q = nxt[slot];
-            nxt[p] = q;
-            prv[q] = p;
-        } else {
-            member[slot] = 1;
-            added++;
-        }
-        stamp[slot] = now++;
-        int32_t last = prv[head];
-        nxt[last] = slot;
-        prv[slot] = last;
-        nxt[slot] = head;
-        prv[head] = slot;
-    }
-    slots_release(&arg);
-    return PyLong_FromSsize_t(added);
-}
-
-/* touch(slots, stamp) -> int: each slot listed now moved to the end in order (the others left
-   out), its stamp `stamp`, `stamp` + 1, ...; how many moved (LRUPolicy.touch_many). A group's
-   links are fetched ahead: the slots of a large tier lie far apart. */
-static PyObject *links_touch(Links *l, PyObject *args) {
-    PyObject *obj;
-    long long now;
-    if (!PyArg_ParseTuple(args, "OL", &obj, &now)) return NULL;
-    if (!l->held) return PyErr_Format(PyExc_ValueError, "Links: not initialised");
-    Slots arg;
-    if (slots_arg(obj, l->capacity, &arg) < 0) return NULL;
-    const int64_t *slots = arg.at;
-    Py_ssize_t n = arg.n;
-    int32_t *nxt = (int32_t *)l->next.buf, *prv = (int32_t *)l->prev.buf;
-    const uint8_t *member = (const uint8_t *)l->member.buf;
-    int64_t *stamp = (int64_t *)l->stamp.buf;
-    int32_t head = (int32_t)l->capacity;
-    Py_ssize_t moved = 0;
+    Py_ssize_t counted = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i % GROUP == 0) {
             Py_ssize_t end = n - i < GROUP ? n : i + GROUP;
@@ -1574,21 +1519,35 @@ static PyObject *links_touch(Links *l, PyObject *args) {
             }
         }
         int32_t slot = (int32_t)slots[i];
-        if (!member[slot]) continue;
-        int32_t p = prv[slot], q = nxt[slot];
-        nxt[p] = q;
-        prv[q] = p;
+        if (member[slot]) {
+            int32_t p = prv[slot], q = nxt[slot];
+            nxt[p] = q;
+            prv[q] = p;
+            counted += listed_only;
+        } else if (listed_only) {
+            continue;
+        } else {
+            member[slot] = 1;
+            counted++;
+        }
         stamp[slot] = now++;
         int32_t last = prv[head];
         nxt[last] = slot;
         prv[slot] = last;
         nxt[slot] = head;
         prv[head] = slot;
-        moved++;
     }
     slots_release(&arg);
-    return PyLong_FromSsize_t(moved);
+    return PyLong_FromSsize_t(counted);
 }
+
+/* append(slots, stamp) -> int: each slot to the end in order (moved there if listed), its stamp
+   `stamp`, `stamp` + 1, ...; how many were not listed before. */
+static PyObject *links_append(Links *l, PyObject *args) { return links_to_end(l, args, 0); }
+
+/* touch(slots, stamp) -> int: each slot listed now moved to the end in order (the others left
+   out), stamped as `append` does; how many moved (LRUPolicy.touch_many). */
+static PyObject *links_touch(Links *l, PyObject *args) { return links_to_end(l, args, 1); }
 
 /* discard(slots) -> int: the listed ones leave (the order of the rest stays); how many left. */
 static PyObject *links_discard(Links *l, PyObject *obj) {
