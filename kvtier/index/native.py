@@ -37,6 +37,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvtier.cache_dir import cache_directory
+
 log = logging.getLogger("kvtier.index.native")
 
 ENV = "KVTIER_HOST_CACHE"
@@ -53,11 +55,7 @@ _built = threading.Event()
 
 def directory() -> Path | None:
     """Where built libraries are kept (None: building is off)."""
-    chosen = os.environ.get(ENV)
-    if chosen is not None:
-        return None if chosen.strip() in ("", "off") else Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvtier" / "host"
+    return cache_directory(ENV, "host")
 
 
 def source_text() -> str:

@@ -27,6 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from kvtier.cache_dir import cache_directory
+
 ENV = "KVTIER_KERNEL_CACHE"
 FORMAT_VERSION = 1
 MAGIC = b"kvtier-cubin\n"
@@ -38,11 +40,7 @@ _warned: set[str] = set()
 
 def default_directory() -> Path | None:
     """The cache directory this process uses (None: the cache is off)."""
-    chosen = os.environ.get(ENV)
-    if chosen is not None:
-        return None if chosen.strip() in ("", "off") else Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvtier" / "kernels"
+    return cache_directory(ENV, "kernels")
 
 
 def entry_key(source: str, options: tuple[str, ...], arch: str, toolchain: str) -> str:
